@@ -1,0 +1,3 @@
+"""Lightning callbacks of lightning-hybrid."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Lightning precision plugins of lightning-hybrid."""
+
+__all__: list[str] = []

@@ -1,0 +1,124 @@
+"""Cutting a LightningModule into pipeline stages and building the torch schedule that runs them.
+
+Stages are made by keeping this rank's blocks of ``module.layers`` under their original names, so every
+parameter keeps the fully-qualified name it has in the unsplit module and checkpoints do not depend on
+the layout they were written with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hybrid.strategies._layout import (
+    SCHEDULES,
+    Layout,
+    PipelineSplit,
+    partition_layers,
+    stage_ids_on_rank,
+)
+
+__all__ = ["PipelineStageModule", "block_items", "build_schedule", "check_pipeline_contract", "split_module"]
+
+
+class PipelineStageModule(nn.Module):
+    """Runs a consecutive run of blocks; the unit a ``PipelineStage`` (and FSDP's root) wraps."""
+
+    def __init__(self, blocks: list[nn.Module], activation_checkpointing: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, *args: Tensor) -> Any:
+        out: Any = args if len(args) > 1 else args[0]
+        for block in self.blocks:
+            inputs = out if isinstance(out, tuple) else (out,)
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                # recompute this block's activations in backward instead of keeping them (memory for compute)
+                out = checkpoint(block, *inputs, use_reentrant=False)
+            else:
+                out = block(*inputs)
+        return out
+
+
+def check_pipeline_contract(module: nn.Module) -> None:
+    """Raise a ``TypeError`` that says what to add when ``module`` cannot be pipelined."""
+    name = type(module).__name__
+    layers = getattr(module, "layers", None)
+    if not isinstance(layers, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        raise TypeError(
+            f"{name} cannot be pipelined: keep its pipeline-splittable blocks, in order, in `self.layers` (an"
+            " nn.Sequential, nn.ModuleList or nn.ModuleDict whose blocks take and return tensors), or use"
+            " pipeline_parallel_size=1."
+        )
+    if not callable(getattr(module, "pipeline_loss", None)):
+        raise TypeError(
+            f"{name} cannot be pipelined: define `pipeline_loss(self, output, target) -> Tensor` returning the"
+            " mean loss over a micro-batch, or use pipeline_parallel_size=1."
+        )
+    inside = {id(p) for p in layers.parameters()}
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
+    if outside:
+        raise TypeError(
+            f"{name} has trainable parameters outside `self.layers` ({', '.join(outside[:3])}"
+            f"{', ...' if len(outside) > 3 else ''}) that no pipeline stage would own; move them into a block"
+            " of `self.layers`."
+        )
+
+
+def block_items(layers: nn.Module) -> list[tuple[str, nn.Module]]:
+    return list(layers.named_children())
+
+
+def split_module(
+    module: nn.Module,
+    *,
+    layout: Layout,
+    pp_rank: int,
+    split: PipelineSplit | None,
+    activation_checkpointing: bool,
+) -> tuple[list[int], list[PipelineStageModule], list[range]]:
+    """Keep only this rank's blocks in ``module.layers`` (original names) and wrap each local stage.
+
+    Returns the local stage indices, their stage modules, and the block ranges of all stages.
+    """
+    items = block_items(module.layers)
+    costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for _, block in items]
+    ranges = partition_layers(costs, layout.num_stages, split)
+    stage_ids = stage_ids_on_rank(pp_rank, layout)
+    stages, kept = [], {}
+    for sid in stage_ids:
+        blocks = [items[i][1] for i in ranges[sid]]
+        stages.append(PipelineStageModule(blocks, activation_checkpointing))
+        kept.update({items[i][0]: items[i][1] for i in ranges[sid]})
+    # parameter names stay `layers.<original index>.*`, as in the unsplit module
+    module.layers = nn.ModuleDict(sorted(kept.items(), key=lambda kv: [n for n, _ in items].index(kv[0])))
+    return stage_ids, stages, ranges
+
+
+def build_schedule(
+    *,
+    layout: Layout,
+    stage_ids: list[int],
+    stage_modules: list[nn.Module],
+    device: torch.device,
+    group: dist.ProcessGroup,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+) -> Any:
+    """Wrap the local stage modules in ``PipelineStage`` objects and build the named torch schedule."""
+    spec = SCHEDULES[layout.schedule]
+    stages = [
+        PipelineStage(mod, stage_index=sid, num_stages=layout.num_stages, device=device, group=group)
+        for sid, mod in zip(stage_ids, stage_modules)
+    ]
+    schedule_class = get_schedule_class(spec.torch_name)
+    target = stages if spec.multi_stage else stages[0]
+    # scale_grads=True with a mean loss per micro-batch gives the gradient of the batch mean
+    return schedule_class(target, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)

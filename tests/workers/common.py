@@ -1,0 +1,92 @@
+"""Shared by the worker scripts and the in-process references: data order, model build, reports."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpt import GPT, CharDataModule
+from torch.utils.data import DataLoader, Sampler
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Step ``s`` uses global batch ``order[s*B:(s+1)*B]``; data-parallel rank ``r`` takes its contiguous slice.
+
+    Every layout therefore sees the same global batches, so runs on different layouts (and a plain
+    single-process reference) can be compared exactly.
+    """
+
+    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0) -> None:
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} not divisible by {dp_size}")
+        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        return len(self.order) // self.global_batch
+
+    def __iter__(self):
+        per = self.global_batch // self.dp_size
+        for s in range(len(self)):
+            base = s * self.global_batch + self.dp_rank * per
+            yield self.order[base : base + per]
+
+
+def global_batches(dataset, global_batch: int, seed: int = 0):
+    """The global batches a single process sees (the reference for every layout)."""
+    sampler = GlobalBatchSampler(len(dataset), global_batch, 0, 1, seed)
+    return DataLoader(dataset, batch_sampler=sampler)
+
+
+class ExactDataModule(CharDataModule):
+    """CharDataModule whose loaders split each global batch over the data-parallel ranks in a fixed order."""
+
+    def __init__(self, *, global_batch: int = 8, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.global_batch, self.seed = global_batch, seed
+
+    def _dp(self) -> tuple[int, int]:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
+
+    def train_dataloader(self) -> DataLoader:
+        rank, size = self._dp()
+        return DataLoader(
+            self.train_set,
+            batch_sampler=GlobalBatchSampler(len(self.train_set), self.global_batch, rank, size, self.seed),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        rank, size = self._dp()
+        return DataLoader(
+            self.val_set,
+            batch_sampler=GlobalBatchSampler(len(self.val_set), self.global_batch, rank, size, self.seed),
+        )
+
+
+def build_model(cfg: dict[str, Any]) -> GPT:
+    torch.manual_seed(cfg.get("seed", 0))
+    return GPT(
+        **{
+            "vocab_size": 64,
+            "n_layer": 4,
+            "d_model": 32,
+            "n_head": 2,
+            "block_size": 16,
+            **cfg.get("model", {}),
+        }
+    )
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def write_report(out: str | Path, report: dict[str, Any]) -> None:
+    path = Path(out) / f"rank{rank()}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    tmp.replace(path)

@@ -1,0 +1,87 @@
+"""Worker: train the example GPT under a given strategy and report per-step losses (one JSON per rank)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import ExactDataModule, build_model, rank, write_report
+from lightning.pytorch.callbacks import Callback
+
+from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit
+from lightning_hybrid.utilities import consolidate_checkpoint
+
+
+class RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def make_strategy(spec: dict[str, Any]) -> Any:
+    name = spec.get("name", "hybrid")
+    if name != "hybrid_class":
+        return name
+    kwargs = dict(spec.get("kwargs", {}))
+    if "split" in kwargs:
+        kwargs["split"] = PipelineSplit(**kwargs["split"])
+    return HybridParallelStrategy(**kwargs)
+
+
+def main(cfg: dict[str, Any]) -> None:
+    model = build_model(cfg)
+    data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
+    recorder = RecordLoss()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=cfg.get("devices", "auto"),
+        num_nodes=cfg.get("num_nodes", 1),
+        strategy=make_strategy(cfg.get("strategy", {})),
+        max_steps=cfg.get("steps", 4),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder],
+        **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
+    report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
+    report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    strategy = trainer.strategy
+    if isinstance(strategy, HybridParallelStrategy):
+        report["layout"] = {
+            "pp": strategy.layout.pipeline_parallel_size,
+            "dp": strategy.layout.data_parallel_size,
+        }
+        report["sampler"] = strategy.distributed_sampler_kwargs
+    if cfg.get("validate"):
+        results = trainer.validate(model, datamodule=data, verbose=False)
+        report["validate"] = results[0] if results else {}
+    if cfg.get("save"):
+        trainer.save_checkpoint(cfg["save"])
+        if cfg.get("weights") and trainer.global_rank == 0 and isinstance(strategy, HybridParallelStrategy):
+            torch.save(consolidate_checkpoint(cfg["save"]), cfg["weights"])
+    elif cfg.get("weights") and trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, cfg["weights"])
+    write_report(cfg["out"], report)
+
+
+if __name__ == "__main__":
+    config = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        main(config)
+    except BaseException as exc:  # report the message each rank failed with, then fail
+        write_report(
+            config["out"],
+            {"rank": rank(), "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
+        )
+        raise
