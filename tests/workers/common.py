@@ -19,18 +19,18 @@ class GlobalBatchSampler(Sampler[list[int]]):
     single-process reference) can be compared exactly.
     """
 
-    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0) -> None:
+    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int = 0, skip: int = 0) -> None:
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} not divisible by {dp_size}")
         self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.global_batch, self.dp_rank, self.dp_size = global_batch, dp_rank, dp_size
+        self.global_batch, self.dp_rank, self.dp_size, self.skip = global_batch, dp_rank, dp_size, skip
 
     def __len__(self) -> int:
-        return len(self.order) // self.global_batch
+        return len(self.order) // self.global_batch - self.skip
 
     def __iter__(self):
         per = self.global_batch // self.dp_size
-        for s in range(len(self)):
+        for s in range(self.skip, self.skip + len(self)):
             base = s * self.global_batch + self.dp_rank * per
             yield self.order[base : base + per]
 
@@ -44,9 +44,9 @@ def global_batches(dataset, global_batch: int, seed: int = 0):
 class ExactDataModule(CharDataModule):
     """CharDataModule whose loaders split each global batch over the data-parallel ranks in a fixed order."""
 
-    def __init__(self, *, global_batch: int = 8, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, global_batch: int = 8, seed: int = 0, skip: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.global_batch, self.seed = global_batch, seed
+        self.global_batch, self.seed, self.skip = global_batch, seed, skip
 
     def _dp(self) -> tuple[int, int]:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -56,7 +56,7 @@ class ExactDataModule(CharDataModule):
         rank, size = self._dp()
         return DataLoader(
             self.train_set,
-            batch_sampler=GlobalBatchSampler(len(self.train_set), self.global_batch, rank, size, self.seed),
+            batch_sampler=GlobalBatchSampler(len(self.train_set), self.global_batch, rank, size, self.seed, self.skip),
         )
 
     def val_dataloader(self) -> DataLoader:
