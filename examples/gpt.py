@@ -237,16 +237,19 @@ class GPT(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, target = batch
-        logits = self(inputs)
-        loss = self.pipeline_loss(logits, target)
-        self.validation_metrics(logits, target)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+        return self.pipeline_validation_step(self(inputs), target, batch_idx)
 
-    def validation_metrics(self, output: Tensor, target: Tensor) -> None:
-        """Feeds torchmetrics from the model's output; under a pipeline only the last stage calls it."""
+    def pipeline_validation_step(self, output: Tensor, target: Tensor, batch_idx: int) -> Tensor:
+        """Loss and torchmetrics perplexity from the model's output.
+
+        Under a pipeline, HybridParallelStrategy calls this on every rank with the last stage's output, so
+        metric states update (and synchronise) everywhere; without one, ``validation_step`` calls it.
+        """
+        loss = self.pipeline_loss(output, target)
         self.val_perplexity.update(output.float(), target)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         self.log("val_ppl", self.val_perplexity, prog_bar=True)
+        return loss
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -18,6 +18,7 @@ def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1
         "devices": nproc // nnodes,
         "num_nodes": nnodes,
         "trainer": trainer or {},
+        "validate": nnodes > 1,
         "save": str(tmp_path / "ckpt"),
         "weights": str(tmp_path / "weights.pt"),
     }
@@ -81,3 +82,28 @@ def test_accumulation_clipping_and_activation_checkpointing_match(tmp_path):
     }
     trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
     _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
+
+
+@pytest.mark.multiproc
+def test_two_nodes_give_the_same_numbers_and_validation_matches(tmp_path):
+    """2 torchrun agents x 2 processes meeting through a c10d rendezvous, as on a cluster."""
+    from gpt import GPT
+    from torchmetrics.text import Perplexity
+    from workers.common import ExactDataModule, build_model, global_batches
+
+    kwargs = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2}
+    job = _run_layout(tmp_path, kwargs, nproc=4, nnodes=2, trainer={"limit_val_batches": 1.0})
+    # the validation loop runs forward-only through the pipeline; the reference is the unsplit model
+    model: GPT = build_model(BASE)
+    model.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    data = ExactDataModule(block_size=model.hparams.block_size, **BASE["data"])
+    losses, ppl = [], Perplexity()
+    with torch.no_grad():
+        for x, y in global_batches(data.val_set, data.global_batch, data.seed):
+            logits = model(x)
+            losses.append(model.pipeline_loss(logits, y))
+            ppl.update(logits, y)
+    for r in range(4):
+        validated = job.rank(r)["validate"]
+        assert validated["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-5)
+        assert validated["val_ppl"] == pytest.approx(ppl.compute().item(), rel=1e-5)

@@ -129,6 +129,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._stage_ranges: list[range] = []
         self._sharded: dict[int, FlatShardedOptimizer] = {}
         self._pending_grads: Union[list[Union[Tensor, None]], None] = None
+        self._prepared_module: Union[nn.Module, None] = None
 
     @classmethod
     @override
@@ -242,6 +243,28 @@ class HybridParallelStrategy(ModelParallelStrategy):
         assert module is not None
         layout = self.layout
 
+        # fit -> validate -> test reuse one Trainer and call setup() again: split and shard only once
+        if self._prepared_module is not module:
+            self._prepare_module(module)
+            self._prepared_module = module
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if layout.zero_stage in (1, 2):
+                names = {p: n for n, p in module.named_parameters()}
+                self._sharded = {
+                    id(opt): FlatShardedOptimizer(
+                        opt, names=names, group=self.data_parallel_group, zero_stage=layout.zero_stage
+                    )
+                    for opt in self.optimizers
+                }
+        self._connect_precision()
+        self.setup_precision_plugin()
+
+    def _prepare_module(self, module: pl.LightningModule) -> None:
+        """Cut the module into this rank's stages, move it, shard it and build the schedule (once)."""
+        layout = self.layout
         if layout.pipeline_parallel_size > 1:
             check_pipeline_contract(module)
             self._check_pipeline_precision()
@@ -276,20 +299,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 f"{sid}:{r.start}-{r.stop - 1}" for sid, r in zip(self._stage_ids, self._stage_ranges_local)
             )
             log.info(f"[rank {self.global_rank}] pipeline stages (stage:blocks) {names}")
-        self.barrier()
-
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if layout.zero_stage in (1, 2):
-                names = {p: n for n, p in module.named_parameters()}
-                self._sharded = {
-                    id(opt): FlatShardedOptimizer(
-                        opt, names=names, group=self.data_parallel_group, zero_stage=layout.zero_stage
-                    )
-                    for opt in self.optimizers
-                }
-        self._connect_precision()
-        self.setup_precision_plugin()
 
     @property
     def _stage_ranges_local(self) -> list[range]:
@@ -628,6 +637,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._schedule = None
+        # the split module and its schedule stay: a later validate()/test() on this Trainer reuses them
         self._pending_grads = None
         super().teardown()

@@ -1,0 +1,80 @@
+"""Bad input fails before step 0 on every rank with the same message (values + fix), never a hang."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import launch
+
+from lightning_hybrid.strategies import HybridParallelStrategy
+from lightning_hybrid.strategies._layout import PipelineSplit, partition_layers, resolve_layout
+
+EXPECTED = {
+    "sizes": "pipeline_parallel_size (3) must divide the world size (2)",
+    "dp_sizes": "pipeline_parallel_size (2) x data_parallel_size (2) = 4 must equal the world size (2)",
+    "too_few_blocks": "The model has 3 blocks in `self.layers` but the pipeline needs 4 stages",
+    "empty_stage": "layers_per_stage=[6, 0] must have 2 entries, each >= 1",
+    "batch_not_divisible": "per-replica batch size (8) must be divisible by num_microbatches (3)",
+    "too_few_microbatches": "needs at least 2 micro-batches, got num_microbatches=1",
+    "zero3_zero_bubble": "gives wrong gradients when parameters are resharded after forward (zero_stage=3)",
+    "unknown_schedule": "Unknown schedule '2f2b'. Choose one of: gpipe, 1f1b,",
+    "no_contract": "NoContract cannot be pipelined: keep its pipeline-splittable blocks, in order, in `self.layers`",
+}
+
+
+@pytest.mark.multiproc
+def test_every_bad_input_fails_on_every_rank_with_the_same_message():
+    job = launch("bad_inputs.py", {}, nproc=2, timeout=300)
+    errors = [job.rank(r)["errors"] for r in (0, 1)]
+    assert errors[0] == errors[1], "ranks disagree on the error"
+    for case, fragment in EXPECTED.items():
+        assert fragment in errors[0][case], f"{case}: {errors[0][case]}"
+
+
+@pytest.mark.unit
+def test_layout_rules():
+    lay = resolve_layout(
+        world_size=8, num_nodes=2, pipeline_parallel_size="auto", data_parallel_size="auto", zero_stage=1,
+        schedule="1f1b", stages_per_rank=None, num_microbatches=None,
+    )  # fmt: skip
+    assert (lay.pipeline_parallel_size, lay.data_parallel_size, lay.num_microbatches) == (2, 4, 2)
+    lay = resolve_layout(
+        world_size=8, num_nodes=1, pipeline_parallel_size=4, data_parallel_size="auto", zero_stage=0,
+        schedule="zbv_zero_bubble", stages_per_rank=None, num_microbatches=None,
+    )  # fmt: skip
+    assert (lay.data_parallel_size, lay.num_stages, lay.num_microbatches) == (2, 8, 8)
+    with pytest.raises(ValueError, match="exactly 2 stage"):
+        resolve_layout(
+            world_size=4, num_nodes=1, pipeline_parallel_size=2, data_parallel_size="auto", zero_stage=0,
+            schedule="dualpipev", stages_per_rank=3, num_microbatches=None,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
+        HybridParallelStrategy(zero_stage=4)
+
+
+@pytest.mark.unit
+def test_partition_balances_by_cost_and_honours_explicit_splits():
+    # a brute-force optimum over all cut points is the reference for the dynamic programme
+    import itertools
+
+    costs = [5.0, 1.0, 1.0, 1.0, 4.0, 2.0, 2.0, 6.0]
+    for stages in (2, 3, 4):
+        best = min(
+            max(sum(costs[a:b]) for a, b in itertools.pairwise((0, *cuts, len(costs))))
+            for cuts in itertools.combinations(range(1, len(costs)), stages - 1)
+        )
+        ranges = partition_layers(costs, stages)
+        assert ranges[0].start == 0 and ranges[-1].stop == len(costs)
+        assert all(a.stop == b.start for a, b in itertools.pairwise(ranges))
+        assert max(sum(costs[i] for i in r) for r in ranges) == best
+    assert partition_layers([1.0] * 6, 3, PipelineSplit(layers_per_stage=[1, 2, 3])) == [
+        range(0, 1),
+        range(1, 3),
+        range(3, 6),
+    ]
+    assert partition_layers([1.0] * 6, 2, PipelineSplit(split_points=[4])) == [range(0, 4), range(4, 6)]
+    # extra cost on the last stage (e.g. a large vocabulary's loss) moves blocks away from it
+    plain = partition_layers([1.0] * 8, 2)
+    weighted = partition_layers([1.0] * 8, 2, PipelineSplit(last_stage_extra=2.0))
+    assert len(weighted[-1]) < len(plain[-1])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        partition_layers([1.0] * 6, 2, PipelineSplit(split_points=[0]))
