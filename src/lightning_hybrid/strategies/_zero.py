@@ -28,8 +28,12 @@ class _FlatGroup:
     params: list[nn.Parameter]
     names: list[str]
     offsets: list[int]
-    padded_numel: int
-    shard: nn.Parameter
+    flat: Tensor  # the parameters' storage, padded to a multiple of the group size
+    shard: nn.Parameter  # this rank's slice of `flat`
+
+    @property
+    def padded_numel(self) -> int:
+        return self.flat.numel()
 
     @property
     def shard_numel(self) -> int:
@@ -64,8 +68,12 @@ class FlatShardedOptimizer:
             padded = -(-max(total, 1) // self.world) * self.world
             shard_numel = padded // self.world
             flat = self._flatten([p.detach() for p in params], padded, params)
-            shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel].clone())
-            self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, padded, shard))
+            # the parameters become views of one flat buffer and the shard is a view of that buffer too:
+            # the optimizer updates the model's own memory, no second copy of the weights exists
+            for p, off in zip(params, offsets):
+                p.data = flat[off : off + p.numel()].view_as(p)
+            shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
+            self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, flat, shard))
             pg["params"] = [shard]
 
     @staticmethod
@@ -105,19 +113,20 @@ class FlatShardedOptimizer:
     def gather_parameters(self) -> None:
         """Write every rank's updated shard back into the full parameters (one all-gather per group)."""
         for g in self.groups:
-            full = torch.empty(g.padded_numel, dtype=g.shard.dtype, device=g.shard.device)
-            dist.all_gather_single(full, g.shard.detach(), group=self.group)
-            for p, off in zip(g.params, g.offsets):
-                p.copy_(full[off : off + p.numel()].view_as(p))
+            # the input may not alias the output: send a copy of the shard (1/N of the group, transient)
+            dist.all_gather_single(g.flat, g.shard.detach().clone(), group=self.group)
+            for p in g.params:
                 p.grad = None
             g.shard.grad = None
 
     @torch.no_grad()
     def load_parameters_into_shards(self) -> None:
-        """Refresh the shards from the (just loaded) full parameters."""
+        """Make sure the (just loaded) parameters still live in the flat buffer the shards view."""
         for g in self.groups:
-            flat = self._flatten([p.detach() for p in g.params], g.padded_numel, g.params)
-            g.shard.copy_(flat[self._shard_slice(g)])
+            for p, off in zip(g.params, g.offsets):
+                if p.data_ptr() != g.flat[off:].data_ptr():  # a loader replaced the storage: copy back in
+                    g.flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+                    p.data = g.flat[off : off + p.numel()].view_as(p)
 
     def grad_tensors(self) -> list[Tensor]:
         return [g.shard.grad for g in self.groups if g.shard.grad is not None]
