@@ -20,16 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Union
 
+from lightning_hybrid.strategies._layout import SCHEDULES
+
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-]
 
 
 # ------------------------------------------------------------------------------------------------ worker

@@ -107,3 +107,16 @@ def test_two_nodes_give_the_same_numbers_and_validation_matches(tmp_path):
         validated = job.rank(r)["validate"]
         assert validated["val_loss"] == pytest.approx(torch.stack(losses).mean().item(), abs=1e-5)
         assert validated["val_ppl"] == pytest.approx(ppl.compute().item(), rel=1e-5)
+
+
+@pytest.mark.multiproc
+def test_bf16_mixed_precision_through_the_precision_flag(tmp_path):
+    """bf16 autocast in the stages, FSDP2's bf16 policy under ZeRO-3: close to fp32, not equal."""
+    kwargs = {"pipeline_parallel_size": 2, "zero_stage": 3, "num_microbatches": 2}
+    cfg = {**BASE, "strategy": {"name": "hybrid_class", "kwargs": kwargs}, "devices": 2}
+    job = launch("train_gpt.py", {**cfg, "trainer": {"precision": "bf16-mixed"}}, nproc=2)
+    ref_losses, _ = reference_run(BASE, steps=STEPS)
+    losses = torch.tensor(job.rank(0)["losses"])
+    assert job.rank(1)["losses"] == job.rank(0)["losses"]
+    torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=0, atol=0.05)
+    assert not torch.allclose(losses, torch.tensor(ref_losses), rtol=0, atol=1e-6), "bf16 had no effect"
