@@ -7,7 +7,7 @@ rank of a job reaches the same verdict on the same input (bad input fails everyw
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Union
 
 __all__ = [
@@ -90,7 +90,6 @@ class Layout:
     schedule: str
     stages_per_rank: int
     num_microbatches: int
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_stages(self) -> int:
