@@ -56,11 +56,13 @@ def launch(
     timeout: float = 240.0,
     expect_success: bool = True,
     env: dict[str, str] | None = None,
+    max_restarts: int = 0,
 ) -> JobResult:
     """Run ``tests/workers/<script>`` under torchrun on loopback (gloo) with a hard timeout.
 
     ``nnodes > 1`` starts one torchrun agent per node, meeting through a c10d rendezvous, as on a cluster.
     Each rank writes ``rank<R>.json`` into ``config["out"]`` (created here); those reports are returned.
+    ``max_restarts`` lets torchrun restart all workers in place after one fails (as ``--max-restarts``).
     On an unexpected outcome the whole output is shown in the assertion message.
     """
     out = Path(config.get("out") or tempfile.mkdtemp(prefix="lh-job-"))
@@ -80,7 +82,7 @@ def launch(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             f"--rdzv-id=lh-{port}",
-            "--max-restarts=0",
+            f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5",
             str(WORKERS / script),
             str(cfg_path),

@@ -1,3 +1,6 @@
 """Lightning callbacks of lightning-hybrid."""
 
-__all__: list[str] = []
+from lightning_hybrid.callbacks._resume import ResumableSampler
+from lightning_hybrid.callbacks.fault_tolerant import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE, FaultTolerantCheckpoint
+
+__all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "FaultTolerantCheckpoint", "ResumableSampler"]

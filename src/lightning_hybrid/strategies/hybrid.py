@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import (
     _METADATA_FILENAME,
     _get_default_process_group_backend_for_device,
@@ -110,6 +111,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        prepare_elastic_restart()  # a torchrun-restarted worker needs a clean store for its process group
         # what can be checked without the world size fails here, on every rank, before any process group
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)}.")
@@ -553,15 +555,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        checkpoint["hybrid_layout"] = self.checkpoint_layout()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """The layout a checkpoint is written with (informational: any layout can load it)."""
         lay = self.layout
-        checkpoint["hybrid_layout"] = {
+        return {
             "pipeline_parallel_size": lay.pipeline_parallel_size,
             "data_parallel_size": lay.data_parallel_size,
             "zero_stage": lay.zero_stage,
             "schedule": lay.schedule,
             "num_stages": lay.num_stages,
         }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Union[bool, None] = None) -> dict[str, Any]:
@@ -605,7 +611,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         for sharded in self._sharded.values():
             sharded.load_parameters_into_shards()
 
-        meta = torch.load(path / _METADATA_FILENAME, weights_only=weights_only if weights_only is not None else False)
+        # tensors and plain values only (torch's default): loading a checkpoint never runs code
+        meta = torch.load(path / _METADATA_FILENAME, weights_only=True if weights_only is None else weights_only)
         written = meta.get("hybrid_layout")
         if written:
             rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.layout}")

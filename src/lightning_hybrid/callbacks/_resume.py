@@ -1,0 +1,133 @@
+"""What exact mid-epoch resume needs besides the model: a data order that can start mid-epoch, and RNG state.
+
+``ResumableSampler`` yields exactly what ``torch.utils.data.DistributedSampler`` yields for the same
+``seed``, ``epoch`` and world (so swapping one for the other changes nothing), and can start an epoch after
+the first ``consumed`` positions of the epoch's global order. The position is counted in the global order,
+not per rank, so a run resumed on a different number of data-parallel ranks continues with exactly the
+samples not yet seen.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["ResumableSampler", "capture_rng", "restore_rng"]
+
+
+class ResumableSampler(Sampler[int]):
+    """A ``DistributedSampler`` equivalent whose epoch can begin part-way through.
+
+    Args:
+        num_samples_total: length of the dataset.
+        num_replicas: data-parallel world size.
+        rank: this rank's data-parallel index.
+        shuffle: permute the indices each epoch (seeded by ``seed + epoch``).
+        seed: base seed, shared by every rank.
+        drop_last: drop the tail so every rank gets the same count, instead of padding by repetition.
+    """
+
+    def __init__(
+        self,
+        num_samples_total: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.n = num_samples_total
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None  # (epoch, consumed global positions)
+        if drop_last and self.n % num_replicas:
+            self.num_samples = math.ceil((self.n - num_replicas) / num_replicas)
+        else:
+            self.num_samples = math.ceil(self.n / num_replicas)
+        self.total_size = self.num_samples * num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume_at(self, epoch: int, consumed: int) -> None:
+        """The next iteration over ``epoch`` skips the first ``consumed`` positions of its global order."""
+        self._resume = (epoch, consumed)
+
+    def global_order(self, epoch: int) -> list[int]:
+        """The epoch's order over all ranks, padded or cut to a multiple of ``num_replicas``."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            indices = torch.randperm(self.n, generator=g).tolist()
+        else:
+            indices = list(range(self.n))
+        if self.drop_last:
+            return indices[: self.total_size]
+        pad = self.total_size - len(indices)
+        if pad <= len(indices):
+            return indices + indices[:pad]
+        return indices + (indices * math.ceil(pad / len(indices)))[:pad]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.global_order(self.epoch)
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+            self._resume = None
+        # positions are dealt round-robin from `start`; with start a multiple of the world (a whole number of
+        # global batches) rank r gets exactly the positions DistributedSampler would have given it
+        return iter(order[start + self.rank :: self.num_replicas])
+
+    def __len__(self) -> int:
+        # the full epoch, also when resuming: Lightning counts the resumed batches into the epoch's length
+        return self.num_samples
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG streams (torch, accelerator, numpy, python) as tensors and plain values."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": _to_lists(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, tuple) else value

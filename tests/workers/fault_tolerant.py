@@ -1,0 +1,181 @@
+"""Worker: train the example GPT with FaultTolerantCheckpoint, inject a failure, report what every rank saw.
+
+Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
+    ft: FaultTolerantCheckpoint kwargs;  data: CharDataModule kwargs;  resume: ckpt_path for fit
+    inject: {"kill"|"signal"|"nan"|"hang"|"kill_in_write": {"step": k, "rank": r, "attempt": a}}
+        kill: SIGKILL the rank at the end of optimizer step k (before the checkpoint of that step)
+        signal: send itself SIGTERM (or inject.signal.name) at the start of the batch after step k
+        nan: the loss of step k+1 on that rank is NaN
+        hang: the rank sleeps for an hour at the start of the batch after step k
+        kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
+    weights: where rank 0 writes the final consolidated state_dict
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from common import rank, write_report
+from gpt import GPT, CharDataModule
+from lightning.pytorch.callbacks import Callback
+from train_gpt import make_strategy
+
+from lightning_hybrid.callbacks import FaultTolerantCheckpoint
+from lightning_hybrid.callbacks import _store as store
+from lightning_hybrid.strategies import HybridParallelStrategy
+from lightning_hybrid.utilities import consolidate_checkpoint
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _armed(spec: dict[str, Any] | None) -> bool:
+    return bool(spec) and spec.get("rank", 0) == rank() and spec.get("attempt", 0) == ATTEMPT
+
+
+class Injector(Callback):
+    """Failures at chosen steps; placed before FaultTolerantCheckpoint so a kill at step k beats its save."""
+
+    def __init__(self, inject: dict[str, Any]) -> None:
+        self.inject = inject
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        sig = self.inject.get("signal")
+        if _armed(sig) and step == sig["step"]:
+            os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
+        hang = self.inject.get("hang")
+        if _armed(hang) and step == hang["step"]:
+            time.sleep(3600)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        kill = self.inject.get("kill")
+        if _armed(kill) and trainer.global_step == kill["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Recorder(Callback):
+    """Per optimizer step: loss, LR and a digest of this rank's parameters (after FaultTolerantCheckpoint)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, float]] = {}
+        self.seen = -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == self.seen:
+            return
+        self.seen = step
+        params = [p.detach() for p in pl_module.parameters()]
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        self.steps[step] = {
+            "loss": float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "digest": float(sum(t.double().abs().sum() for t in local)),
+        }
+
+
+class NanGPT(GPT):
+    """The example model whose loss is NaN on one rank at one step."""
+
+    nan_spec: dict[str, Any] | None = None
+
+    def pipeline_loss(self, output, target):
+        loss = super().pipeline_loss(output, target)
+        if _armed(self.nan_spec) and self.trainer.global_step == self.nan_spec["step"]:
+            loss = loss * float("nan")
+        return loss
+
+
+def _kill_in_write(spec: dict[str, Any]) -> None:
+    """Make the write of checkpoint ``step``'s first file stop half-way with SIGKILL (as a node loss would)."""
+    original = store.atomic_write
+
+    def atomic_write(path, write):
+        if f"step-{spec['step']:09d}" in str(path):
+
+            def half(f):
+                import io
+
+                buf = io.BytesIO()
+                write(buf)
+                f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            return original(path, half)
+        return original(path, write)
+
+    store.atomic_write = atomic_write
+
+
+def main(cfg: dict[str, Any]) -> None:
+    inject = cfg.get("inject", {})
+    if _armed(inject.get("kill_in_write")):
+        _kill_in_write(inject["kill_in_write"])
+    L.seed_everything(cfg.get("seed", 0), workers=True)
+    model_cfg = {"vocab_size": 64, "n_layer": 2, "d_model": 32, "n_head": 2, "block_size": 16, **cfg.get("model", {})}
+    NanGPT.nan_spec = inject.get("nan")
+    model = NanGPT(**model_cfg)
+    data = CharDataModule(block_size=model_cfg["block_size"], **{"batch_size": 4, **cfg.get("data", {})})
+    ft = FaultTolerantCheckpoint(**cfg["ft"])
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=cfg.get("devices", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+        strategy=make_strategy(cfg.get("strategy", {"name": "ddp"})),
+        max_steps=cfg.get("steps", 8),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Injector(inject), ft, recorder],
+        **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
+    )
+    report: dict[str, Any] = {"rank": rank(), "attempt": ATTEMPT, "pid": os.getpid()}
+    write_report(cfg["out"], {**report, "started": True})
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume", "last"))
+    except SystemExit as exc:
+        report["exit_code"] = exc.code
+        report["steps"] = recorder.steps
+        report["global_step"] = trainer.global_step
+        write_report(cfg["out"], report)
+        raise
+    report.update(
+        {
+            "steps": recorder.steps,
+            "global_step": trainer.global_step,
+            "rollbacks": ft.rollbacks,
+            "nonfinite_steps": ft.nonfinite_steps,
+            "last_model_path": ft.last_model_path,
+            "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+        }
+    )
+    if cfg.get("weights") and isinstance(trainer.strategy, HybridParallelStrategy):
+        if trainer.global_rank == 0:
+            torch.save(consolidate_checkpoint(ft.last_model_path), cfg["weights"])
+    elif cfg.get("weights") and trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, cfg["weights"])
+    write_report(cfg["out"], report)
+
+
+if __name__ == "__main__":
+    config = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        main(config)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        write_report(
+            config["out"],
+            {"rank": rank(), "attempt": ATTEMPT, "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
+        )
+        raise
