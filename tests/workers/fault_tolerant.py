@@ -8,6 +8,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         nan: the loss of step k+1 on that rank is NaN
         hang: the rank sleeps for an hour at the start of the batch after step k
         kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
+        fail_write: every file write of checkpoint k raises OSError on that rank
     weights: where rank 0 writes the final consolidated state_dict
 """
 
@@ -63,24 +64,30 @@ class Injector(Callback):
 
 
 class Recorder(Callback):
-    """Per optimizer step: loss, LR and a digest of this rank's parameters (after FaultTolerantCheckpoint)."""
+    """Per optimizer step: loss, LR, and a digest of this rank's parameters after the step.
+
+    The digest is taken when the next batch starts (and at the end), so it includes whatever
+    FaultTolerantCheckpoint did after the step: Lightning runs checkpoint callbacks last.
+    """
 
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, float]] = {}
-        self.seen = -1
+
+    @staticmethod
+    def _digest(pl_module) -> float:
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in pl_module.parameters()]
+        return float(sum(t.double().abs().sum() for t in local))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step == self.seen:
-            return
-        self.seen = step
-        params = [p.detach() for p in pl_module.parameters()]
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        self.steps[step] = {
-            "loss": float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs),
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "digest": float(sum(t.double().abs().sum() for t in local)),
-        }
+        entry = self.steps.setdefault(trainer.global_step, {})
+        entry["loss"] = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
+        entry["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
 
 
 class NanGPT(GPT):
@@ -117,10 +124,24 @@ def _kill_in_write(spec: dict[str, Any]) -> None:
     store.atomic_write = atomic_write
 
 
+def _fail_write(spec: dict[str, Any]) -> None:
+    """Make every file write of checkpoint ``step`` raise, as a full disk would."""
+    original = store.atomic_write
+
+    def atomic_write(path, write):
+        if f"step-{spec['step']:09d}" in str(path):
+            raise OSError(28, "No space left on device (injected)")
+        return original(path, write)
+
+    store.atomic_write = atomic_write
+
+
 def main(cfg: dict[str, Any]) -> None:
     inject = cfg.get("inject", {})
     if _armed(inject.get("kill_in_write")):
         _kill_in_write(inject["kill_in_write"])
+    if _armed(inject.get("fail_write")):
+        _fail_write(inject["fail_write"])
     L.seed_everything(cfg.get("seed", 0), workers=True)
     model_cfg = {"vocab_size": 64, "n_layer": 2, "d_model": 32, "n_head": 2, "block_size": 16, **cfg.get("model", {})}
     NanGPT.nan_spec = inject.get("nan")
@@ -156,7 +177,7 @@ def main(cfg: dict[str, Any]) -> None:
             "rollbacks": ft.rollbacks,
             "nonfinite_steps": ft.nonfinite_steps,
             "last_model_path": ft.last_model_path,
-            "resumed_from": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+            "resumed_from": ft.resumed_from,
         }
     )
     if cfg.get("weights") and isinstance(trainer.strategy, HybridParallelStrategy):

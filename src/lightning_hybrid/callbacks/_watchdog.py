@@ -58,6 +58,7 @@ class Watchdog:
         self._durations: deque[float] = deque(maxlen=50)
         self._last_beat = time.monotonic()
         self._step = -1
+        self._progress = -1  # 2 * last finished step, +1 once the next batch started
         self._published = -2
         self._paused = 0
         self._lock = threading.Lock()
@@ -80,6 +81,12 @@ class Watchdog:
             if step != self._step:
                 self._durations.append(now - self._last_beat)
             self._step, self._last_beat = step, now
+            self._progress = 2 * step
+
+    def enter(self, step: int) -> None:
+        """A batch of step ``step + 1`` started: lets the report tell a rank that never got there."""
+        with self._lock:
+            self._progress = 2 * step + 1
 
     def pause(self) -> None:
         """Long non-step work follows (a synchronous save, a rollback): do not count it as a hang."""
@@ -102,7 +109,8 @@ class Watchdog:
         while not self._stop.wait(1.0):
             with self._lock:
                 step, waited, paused = self._step, time.monotonic() - self._last_beat, self._paused
-            self._publish(step)
+                progress = self._progress
+            self._publish(progress)
             limit = self.limit()
             if paused or limit is None or waited <= limit:
                 continue
@@ -111,12 +119,13 @@ class Watchdog:
 
     def _report(self, step: int, waited: float, limit: float) -> str:
         usual = f"{statistics.median(self._durations):.2f}s" if self._durations else "unknown"
-        steps = self._peer_steps()
+        progress = self._peer_progress()
         behind = ""
-        if steps:
-            lowest = min(steps.values())
-            stuck = sorted(r for r, s in steps.items() if s == lowest)
-            behind = f"; last finished step per rank: {steps}; stuck: rank(s) {stuck} (at step {lowest + 1})"
+        if progress:
+            lowest = min(progress.values())
+            stuck = sorted(r for r, p in progress.items() if p == lowest)
+            where = {r: _describe(p) for r, p in sorted(progress.items())}
+            behind = f"; progress per rank: {where}; stuck: rank(s) {stuck}"
         return (
             f"[rank {self.rank}] watchdog: no training step finished for {waited:.0f}s (limit {limit:.0f}s, usual"
             f" step {usual}, this rank's last finished step {step}){behind}. Exiting with code {HANG_EXIT_CODE}"
@@ -131,16 +140,16 @@ class Watchdog:
         print(report, file=sys.stderr, flush=True)
         os._exit(HANG_EXIT_CODE)
 
-    def _publish(self, step: int) -> None:
-        if self._store is None or step == self._published:
+    def _publish(self, progress: int) -> None:
+        if self._store is None or progress == self._published:
             return
         try:
-            self._store.set(_KEY.format(self.rank), str(step))
-            self._published = step
+            self._store.set(_KEY.format(self.rank), str(progress))
+            self._published = progress
         except Exception:  # a lost store only costs the report its detail
             self._store = None
 
-    def _peer_steps(self) -> dict[int, int]:
+    def _peer_progress(self) -> dict[int, int]:
         if self._store is None:
             return {}
         steps = {}
@@ -149,8 +158,15 @@ class Watchdog:
                 self._store.wait([_KEY.format(r)], timedelta(seconds=2))
                 steps[r] = int(self._store.get(_KEY.format(r)))
             except Exception:
-                steps[r] = -1  # never published: it has not finished a single step
+                steps[r] = -1  # never published: it has not even started
         return steps
+
+
+def _describe(progress: int) -> str:
+    if progress < 0:
+        return "not started"
+    step, inside = divmod(progress, 2)
+    return f"inside step {step + 1}" if inside else f"finished step {step}"
 
 
 def _default_store() -> dist.Store | None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -41,6 +41,7 @@ from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "FaultTolerantCheckpoint"]
 
 log = logging.getLogger(__name__)
+_event = rank_zero_only(log.warning)  # failures handled: shown whatever the warning filters, once per job
 
 PREEMPTION_EXIT_CODE = 75
 """Exit status after a preemption save (``EX_TEMPFAIL``): the job is safe to relaunch and will resume."""
@@ -151,6 +152,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         self.max_rollbacks = max_rollbacks
         self.hang_timeout = hang_timeout
 
+        self.resumed_from: Union[str, None] = None
+        """The checkpoint this run resumed from (``last.ckpt`` resolved), if any."""
         # counters, saved in the checkpoint
         self.rollbacks = 0
         self.nonfinite_steps = 0
@@ -249,14 +252,14 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
                 self._rejected[p] = "some rank cannot read its part (missing or truncated files on that node)"
         if trainer.is_global_zero:
             for path, why in sorted(self._rejected.items(), reverse=True):
-                rank_zero_warn(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
+                _event(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
             link = self._root / store.LAST_LINK
             if chosen is not None:
                 store.point_last(self._root, self._load_target(Path(chosen)))
             elif link.is_symlink() or link.exists():
                 link.unlink()
             if chosen is None and self._rejected:
-                rank_zero_warn(
+                _event(
                     f"FaultTolerantCheckpoint: no valid checkpoint under {self._root}; `ckpt_path='last'` cannot"
                     " resume. Remove the directory (or pass ckpt_path=None) to start fresh."
                 )
@@ -299,6 +302,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
                 f"FaultTolerantCheckpoint: {step_path} was written by {len(list(step_path.glob('rank-*.pt')))} ranks;"
                 " ranks beyond those start fresh RNG streams (the data position is restored on every rank)."
             )
+        self.resumed_from = str(path)
         rank_zero_info(f"FaultTolerantCheckpoint: resuming from {step_path}")
 
     @override
@@ -369,6 +373,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self._watchdog is not None:
+            self._watchdog.enter(trainer.global_step)
         if self._resume_rng is not None:
             # restored here, not at load time: nothing between the save and this batch may draw from it
             restore_rng(self._resume_rng)
@@ -485,7 +491,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         if self.nan_policy == "raise":
             raise FloatingPointError(f"FaultTolerantCheckpoint: {what}; nan_policy='raise'.")
         if self.nan_policy == "skip":
-            rank_zero_warn(f"FaultTolerantCheckpoint: {what}; the update was skipped.")
+            _event(f"FaultTolerantCheckpoint: {what}; the update was skipped.")
             return
         if self.rollbacks >= self.max_rollbacks:
             raise FloatingPointError(
@@ -505,7 +511,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             if self._watchdog is not None:
                 self._watchdog.resume()
         source = target.parent if target.is_file() else target
-        rank_zero_warn(
+        _event(
             f"FaultTolerantCheckpoint: {what}; rolled back model and optimizer to {source}"
             f" (rollback {self.rollbacks}/{self.max_rollbacks}); the data since that checkpoint is skipped."
         )
@@ -517,7 +523,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             strategy.load_checkpoint(target)  # loads in place, resharding as needed
             return
         checkpoint = torch.load(target, map_location="cpu", weights_only=True)
-        strategy.load_model_state_dict(checkpoint["state_dict"])
+        strategy.load_model_state_dict(checkpoint)
         strategy.load_optimizer_state_dict(checkpoint)
 
     def _preempt(self, trainer: pl.Trainer, step: int) -> None:
@@ -549,6 +555,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         try:
             path = store.step_dir(self._root, step)
             path.mkdir(parents=True, exist_ok=True)
+            # rewriting a step (after a rollback or resume): it must not look complete while it changes
+            (path / store.MANIFEST).unlink(missing_ok=True)
             write = self._stage(trainer, step, path, copy=background)
             self._write = write
             self._last_saved_step = step
@@ -625,9 +633,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         errors = {r: err for r, (_, err) in enumerate(parts) if err}
         if errors:
             # every rank sees the same errors: all skip this checkpoint, nobody points at it
-            rank_zero_warn(
-                f"FaultTolerantCheckpoint: checkpoint {write.path} failed and is not marked complete: {errors}"
-            )
+            _event(f"FaultTolerantCheckpoint: checkpoint {write.path} failed and is not marked complete: {errors}")
             return
         if trainer.is_global_zero:
             files: dict[str, dict[str, Any]] = {}

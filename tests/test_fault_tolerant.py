@@ -1,0 +1,167 @@
+"""FaultTolerantCheckpoint on real multi-process jobs (gloo): kills, signals, corruption, NaN, hangs, async.
+
+Every resumed run is compared with an uninterrupted run of the same job (model with dropout, shuffled
+data, 2 DDP ranks): on CPU with deterministic ops the final weights must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import launch
+
+from lightning_hybrid.callbacks import HANG_EXIT_CODE, PREEMPTION_EXIT_CODE
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 12
+
+
+def _job(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
+    ft = {"dirpath": str(tmp / name / "ckpt"), "every_n_train_steps": 2, **extra.pop("ft", {})}
+    return {
+        "ft": ft,
+        "steps": STEPS,
+        "model": {"dropout": 0.1},
+        "weights": str(tmp / name / "weights.pt"),
+        "out": str(tmp / name / "out"),
+        **extra,
+    }
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    wa, wb = torch.load(a), torch.load(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Any]:
+    """The uninterrupted 2-rank DDP run every interrupted run must reproduce."""
+    tmp = tmp_path_factory.mktemp("ft-ref")
+    cfg = _job(tmp, "ref")
+    result = launch("fault_tolerant.py", cfg, nproc=2)
+    return {"weights": Path(cfg["weights"]), "steps": result.rank(0)["steps"]}
+
+
+@pytest.mark.parametrize("seed", [11, 23])
+def test_kill9_one_rank_restart_in_place_ends_with_the_uninterrupted_weights(tmp_path, reference, seed):
+    step = random.Random(seed).randint(1, STEPS - 1)
+    victim = random.Random(seed).randint(0, 1)
+    cfg = _job(tmp_path, "kill", inject={"kill": {"step": step, "rank": victim}})
+    result = launch("fault_tolerant.py", cfg, nproc=2, max_restarts=1, timeout=300)
+    for rank in (0, 1):
+        report = result.rank(rank)
+        assert report["attempt"] == 1, f"rank {rank} was not restarted (killed at step {step})"
+        saved = ((step - 1) // 2) * 2  # killed before the save of its own step
+        if saved:
+            assert report["resumed_from"].endswith(f"step-{saved:09d}/checkpoint.pt")
+        assert report["global_step"] == STEPS
+    assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0, f"killed rank {victim} at step {step}"
+
+
+def test_sigterm_to_one_rank_saves_on_all_ranks_and_the_relaunch_resumes_exactly(tmp_path, reference):
+    cfg = _job(tmp_path, "term", inject={"signal": {"step": 5, "rank": 1}}, ft={"every_n_train_steps": 100})
+    start = time.monotonic()
+    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    for rank in (0, 1):
+        report = result.rank(rank)
+        assert report.get("exit_code") == PREEMPTION_EXIT_CODE, report
+        assert report["global_step"] == 6  # signalled during step 6: saved at its end
+    step_dir = Path(cfg["ft"]["dirpath"]) / "step-000000006"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert {"checkpoint.pt", "rank-00000.pt", "rank-00001.pt"} <= set(manifest["files"])
+    assert elapsed < 60, f"preemption took {elapsed:.0f}s"
+
+    relaunch = launch("fault_tolerant.py", {**cfg, "inject": {}}, nproc=2)
+    assert relaunch.rank(0)["resumed_from"].endswith("step-000000006/checkpoint.pt")
+    assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0
+    # the resumed run logs the same losses as the uninterrupted one from step 7 on
+    for step in range(7, STEPS + 1):
+        assert relaunch.rank(0)["steps"][str(step)]["loss"] == reference["steps"][str(step)]["loss"]
+
+
+def test_kill_during_a_write_and_corrupted_checkpoints_fall_back_to_the_previous_valid_one(tmp_path, reference):
+    # a rank dies half-way through writing step 6's file: the restart must resume from step 4
+    cfg = _job(tmp_path, "corrupt", inject={"kill_in_write": {"step": 6, "rank": 0}}, ft={"keep_last": 3})
+    result = launch("fault_tolerant.py", cfg, nproc=2, max_restarts=1, timeout=300)
+    assert result.rank(0)["resumed_from"].endswith("step-000000004/checkpoint.pt")
+    assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0
+
+    # now damage the newest two: flip one byte of step 12, truncate a rank file of step 10
+    root = Path(cfg["ft"]["dirpath"])
+    newest = root / "step-000000012" / "checkpoint.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    rank_file = root / "step-000000010" / "rank-00001.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:100])
+
+    # asking for the corrupted one explicitly is refused on every rank, with the reason
+    refused = launch("fault_tolerant.py", {**cfg, "inject": {}, "resume": str(newest)}, nproc=2, expect_success=False)
+    assert refused.returncode != 0
+    for rank in (0, 1):
+        assert "Refusing to resume from" in refused.rank(rank)["error"]
+        assert "SHA-256" in refused.rank(rank)["error"]
+
+    # "last" resumes from the newest checkpoint that validates on every rank, naming the ones it skips
+    again = launch("fault_tolerant.py", {**cfg, "inject": {}, "steps": STEPS + 2}, nproc=2)
+    for rank in (0, 1):
+        assert again.rank(rank)["resumed_from"].endswith("step-000000008/checkpoint.pt")
+    assert "skipping checkpoint" in again.output and "step-000000012: checkpoint.pt does not match" in again.output
+    assert "step-000000010: rank-00001.pt has 100 bytes" in again.output
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_nan_on_one_rank_triggers_the_same_policy_on_every_rank(tmp_path, policy):
+    # the loss of the batch that starts at step 5 is NaN on rank 1 only
+    cfg = _job(tmp_path, policy, inject={"nan": {"step": 5, "rank": 1}}, ft={"nan_policy": policy}, steps=8)
+    result = launch("fault_tolerant.py", cfg, nproc=2)
+    for rank in (0, 1):
+        report = result.rank(rank)
+        steps = report["steps"]
+        assert report["nonfinite_steps"] == 1
+        assert report["global_step"] == 8
+        if policy == "skip":
+            assert steps["6"]["digest"] == steps["5"]["digest"]  # the update of step 6 did not happen
+            assert report["rollbacks"] == 0
+        else:
+            assert steps["6"]["digest"] == steps["4"]["digest"]  # back to the checkpoint of step 4
+            assert report["rollbacks"] == 1
+        assert steps["7"]["digest"] != steps["6"]["digest"]  # and training goes on
+    # both ranks hold the same weights afterwards
+    assert result.rank(0)["steps"]["8"]["digest"] == result.rank(1)["steps"]["8"]["digest"]
+
+
+def test_watchdog_exits_a_hung_job_and_names_the_stuck_rank(tmp_path):
+    cfg = _job(tmp_path, "hang", inject={"hang": {"step": 3, "rank": 1}}, ft={"hang_timeout": 4})
+    start = time.monotonic()
+    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "watchdog: no training step finished" in result.output
+    assert "1: 'finished step 3'" in result.output and "stuck: rank(s) [1]" in result.output
+    assert f"exitcode  : {HANG_EXIT_CODE}" in result.output
+
+
+def test_async_save_resumes_exactly_and_a_failed_background_write_is_never_marked_complete(tmp_path, reference):
+    cfg = _job(
+        tmp_path,
+        "async",
+        ft={"async_save": True},
+        inject={"kill": {"step": 9, "rank": 0}, "fail_write": {"step": 4, "rank": 1}},
+    )
+    result = launch("fault_tolerant.py", cfg, nproc=2, max_restarts=1, timeout=300)
+    assert "step-000000004 failed and is not marked complete" in result.output
+    assert "No space left on device (injected)" in result.output
+    # step 8 was still being completed (one batch after its write starts) when rank 0 died at step 9
+    assert result.rank(0)["resumed_from"].endswith("step-000000006/checkpoint.pt")
+    assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0
