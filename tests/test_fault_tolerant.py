@@ -165,3 +165,36 @@ def test_async_save_resumes_exactly_and_a_failed_background_write_is_never_marke
     # step 8 was still being completed (one batch after its write starts) when rank 0 died at step 9
     assert result.rank(0)["resumed_from"].endswith("step-000000006/checkpoint.pt")
     assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0
+
+
+HYBRID = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "zero_stage": 1, "schedule": "1f1b"}}
+
+
+def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_layout(tmp_path):
+    """HybridParallelStrategy (pp2 x dp2, ZeRO-1, accumulate 2) with FaultTolerantCheckpoint, one rank killed."""
+    common = {"strategy": HYBRID, "trainer": {"accumulate_grad_batches": 2}, "steps": 8}
+    ref_cfg = _job(tmp_path, "hybrid-ref", **common)
+    ref = launch("fault_tolerant.py", ref_cfg, nproc=4, timeout=300)
+    # batch 10 opens the window of step 6: rank 2 dies with half a window of gradients accumulated
+    cfg = _job(tmp_path, "hybrid-kill", inject={"kill_batch": {"batch": 10, "rank": 2}}, **common)
+    killed = launch("fault_tolerant.py", cfg, nproc=4, max_restarts=1, timeout=400)
+    for rank in range(4):
+        assert killed.rank(rank)["attempt"] == 1
+        assert killed.rank(rank)["resumed_from"].endswith("step-000000004")  # a sharded (DCP) checkpoint
+    assert _max_diff(Path(ref_cfg["weights"]), Path(cfg["weights"])) == 0.0
+    for step in range(5, 9):
+        assert killed.rank(0)["steps"][str(step)]["loss"] == ref.rank(0)["steps"][str(step)]["loss"]
+    manifest = json.loads((Path(cfg["ft"]["dirpath"]) / "step-000000008" / "manifest.json").read_text())
+    assert manifest["layout"]["pipeline_parallel_size"] == 2 and manifest["world_size"] == 4
+
+    # the same checkpoint directory resumes on 2 processes without a pipeline (pp1 x dp2, ZeRO-0)
+    other = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": 0}}
+    moved_cfg = {**cfg, "inject": {}, "strategy": other, "steps": 10, "out": str(tmp_path / "moved"), "weights": None}
+    moved = launch("fault_tolerant.py", moved_cfg, nproc=2)
+    weights = torch.load(cfg["weights"])
+    digest = sum(v.double().abs().sum().item() for k, v in weights.items() if not k.startswith("val_"))
+    for rank in (0, 1):
+        report = moved.rank(rank)
+        assert report["resumed_from"].endswith("step-000000008")
+        assert report["steps"]["8"]["digest"] == pytest.approx(digest, rel=1e-12)  # the pp2 x dp2 weights
+        assert report["global_step"] == 10

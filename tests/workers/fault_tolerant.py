@@ -4,6 +4,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
     ft: FaultTolerantCheckpoint kwargs;  data: CharDataModule kwargs;  resume: ckpt_path for fit
     inject: {"kill"|"signal"|"nan"|"hang"|"kill_in_write": {"step": k, "rank": r, "attempt": a}}
         kill: SIGKILL the rank at the end of optimizer step k (before the checkpoint of that step)
+        kill_batch: SIGKILL the rank at the end of batch {"batch": b} (counted over epochs), mid-window or not
         signal: send itself SIGTERM (or inject.signal.name) at the start of the batch after step k
         nan: the loss of step k+1 on that rank is NaN
         hang: the rank sleeps for an hour at the start of the batch after step k
@@ -60,6 +61,9 @@ class Injector(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         kill = self.inject.get("kill")
         if _armed(kill) and trainer.global_step == kill["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        kill = self.inject.get("kill_batch")
+        if _armed(kill) and trainer.fit_loop.total_batch_idx == kill["batch"]:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
