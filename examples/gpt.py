@@ -305,6 +305,11 @@ class GPTCLI(LightningCLI):
         for key in ("train_loss", "val_loss", "val_ppl"):
             if key in metrics:
                 lines.append(f"  {key:<17} {metrics[key]:.4f}")
+        for callback in trainer.callbacks:
+            if type(callback).__name__ == "FaultTolerantCheckpoint":
+                lines.append(f"  resumed from      {callback.resumed_from or '- (fresh start)'}")
+                lines.append(f"  last checkpoint   {callback.last_model_path or '-'}")
+                lines.append(f"  non-finite steps  {callback.nonfinite_steps} (rollbacks {callback.rollbacks})")
         lines.append("=" * 72)
         print("\n".join(lines), flush=True)
 
