@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Any, Union
 from lightning_hybrid.strategies._layout import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _jobs import run_job  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ worker
 
@@ -131,23 +130,6 @@ def worker(cfg: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def run_job(cfg: dict[str, Any], nproc: int, workdir: Path, timeout: float = 600) -> list[dict[str, Any]]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    for old in workdir.glob("rank*.json"):
-        old.unlink()
-    cfg = {**cfg, "out": str(workdir), "devices": nproc}
-    (workdir / "config.json").write_text(json.dumps(cfg))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-        __file__, "--worker", str(workdir / "config.json"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark job failed: {cfg['strategy']}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads(f.read_text()) for f in sorted(workdir.glob("rank*.json"))]
-
-
 def zero_formula(stage: Union[int, str], n: int) -> float:
     """Per-rank bytes per parameter of params + grads + Adam state in fp32 (ZeRO paper, K=8 for Adam)."""
     return {"ddp": 16.0, 0: 16.0, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[stage]
@@ -210,9 +192,13 @@ def main() -> None:
 
     # --- 1. ZeRO stages vs DDP (one pipeline stage, all ranks data-parallel)
     rows = []
-    ddp = run_job({**base, "strategy": "ddp"}, nproc, tmp / "ddp")
+    ddp = run_job(__file__, {**base, "strategy": "ddp"}, nproc, tmp / "ddp")
     for name, strat in [("ddp", "ddp")] + [(f"zero_stage={z}", {"zero_stage": z}) for z in range(4)]:
-        reps = ddp if strat == "ddp" else run_job({**base, "strategy": strat}, nproc, tmp / name.replace("=", ""))
+        reps = (
+            ddp
+            if strat == "ddp"
+            else run_job(__file__, {**base, "strategy": strat}, nproc, tmp / name.replace("=", ""))
+        )
         psi = reps[0]["psi"]
         per_rank = max(sum(r["memory"].values()) for r in reps) / psi
         formula = zero_formula("ddp" if strat == "ddp" else strat["zero_stage"], nproc)
@@ -232,7 +218,7 @@ def main() -> None:
     results = {}
     for schedule in SCHEDULES:
         strat = {"pipeline_parallel_size": p, "schedule": schedule, "num_microbatches": m}
-        reps = run_job({**base, "strategy": strat}, nproc, tmp / schedule)
+        reps = run_job(__file__, {**base, "strategy": strat}, nproc, tmp / schedule)
         results[schedule] = reps
     t1f1b = statistics.median(r["step_time"] for r in results["1f1b"])
     for schedule, reps in results.items():

@@ -56,8 +56,9 @@ def test_atomic_write_never_leaves_a_partial_file_under_the_real_name(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         store.atomic_write(target, fail_half_way)
     assert list(tmp_path.iterdir()) == []
-    store.atomic_write(target, lambda f: f.write(b"whole"))
-    assert target.read_bytes() == b"whole"
+    entry = store.atomic_write(target, lambda f: torch.save({"w": torch.arange(1000)}, f))
+    assert entry == {"bytes": target.stat().st_size, "sha256": store.sha256_file(target)}  # hashed while written
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.arange(1000))
 
 
 def test_stale_cleanup_and_retention_keep_the_newest_complete_checkpoints(tmp_path):

@@ -72,13 +72,47 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> None:
-    """Write ``path`` through ``write(file)`` under a temporary name, fsync, then rename into place."""
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through, so a checksum costs no second read."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.digest, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        return self.raw.write(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes through to the raw file first
+            self.raw.close()
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> dict[str, Any]:
+    """Write ``path`` through ``write(file)`` under a temporary name, fsync, then rename into place.
+
+    Returns the manifest entry of the file (``bytes`` and ``sha256``), hashed while it was written.
+    """
     path = Path(path)
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            hashing = _HashingWriter(f)
+            write(hashing)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -86,10 +120,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> 
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+    return {"bytes": hashing.size, "sha256": hashing.digest.hexdigest()}
 
 
 class AtomicFileSystem(FileSystem):
-    """DCP's local filesystem, except that each file appears under its real name only once fully written."""
+    """DCP's local filesystem, except that each file appears under its real name only once fully written.
+
+    Files are hashed while DCP writes them; ``written`` maps each file name to its manifest entry.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -100,13 +142,15 @@ class AtomicFileSystem(FileSystem):
         path = Path(path)
         tmp = _tmp_name(path)
         try:
-            with open(tmp, mode) as stream:
-                yield stream  # DCP fsyncs (sync_files=True) and closes the stream itself
+            with open(tmp, mode) as raw:
+                hashing = _HashingWriter(raw)
+                yield hashing  # DCP fsyncs (through fileno) and closes the stream itself
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
+        self.written[path.name] = {"bytes": hashing.size, "sha256": hashing.digest.hexdigest()}
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -588,20 +588,25 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
         def run() -> None:
             try:
-                names = [f"rank-{rank:05d}.pt"]
-                store.atomic_write(path / names[0], lambda f: torch.save(per_rank, f))
+                files = {}
+                name = f"rank-{rank:05d}.pt"
+                files[name] = store.atomic_write(path / name, lambda f: torch.save(per_rank, f))
                 if dcp_state is not None:
                     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-                    writer.fs = store.AtomicFileSystem()
+                    writer.fs = fs = store.AtomicFileSystem()
                     dcp.save(dcp_state, storage_writer=writer, process_group=group if copy else None)
-                    names += [p.name for p in path.glob(f"__{rank}_*.distcp")]
+                    # this rank's data file(s) and, on the coordinator, the final .metadata (renamed from .tmp)
+                    files.update({n: e for n, e in fs.written.items() if not n.endswith(".tmp")})
+                    if ".metadata.tmp" in fs.written:
+                        files[".metadata"] = fs.written[".metadata.tmp"]
                     if rank == 0:
-                        store.atomic_write(path / _METADATA_FILENAME, lambda f: torch.save(checkpoint, f))
-                        names += [".metadata", _METADATA_FILENAME]
+                        meta = store.atomic_write(path / _METADATA_FILENAME, lambda f: torch.save(checkpoint, f))
+                        files[_METADATA_FILENAME] = meta
                 elif rank == 0:
-                    store.atomic_write(path / _CHECKPOINT_FILE, lambda f: torch.save(checkpoint, f))
-                    names.append(_CHECKPOINT_FILE)
-                write.files = store.describe_files(path, names)
+                    files[_CHECKPOINT_FILE] = store.atomic_write(
+                        path / _CHECKPOINT_FILE, lambda f: torch.save(checkpoint, f)
+                    )
+                write.files = files
             except BaseException as exc:  # DCP can raise BaseException subclasses; never lose the reason
                 write.error = f"{type(exc).__name__}: {exc}"
 

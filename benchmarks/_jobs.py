@@ -1,0 +1,30 @@
+"""Run one benchmark configuration as its own ``torchrun`` job of a benchmark script (``--worker``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(script: str, cfg: dict[str, Any], nproc: int, workdir: Path, timeout: float = 600) -> list[dict[str, Any]]:
+    """``torchrun --standalone`` ``script --worker config.json`` on ``nproc`` processes; the rank reports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for old in workdir.glob("rank*.json"):
+        old.unlink()
+    cfg = {**cfg, "out": str(workdir), "devices": nproc}
+    (workdir / "config.json").write_text(json.dumps(cfg))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+        script, "--worker", str(workdir / "config.json"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark job failed: {cfg}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [json.loads(f.read_text()) for f in sorted(workdir.glob("rank*.json"))]
