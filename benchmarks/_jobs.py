@@ -28,3 +28,22 @@ def run_job(script: str, cfg: dict[str, Any], nproc: int, workdir: Path, timeout
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark job failed: {cfg}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return [json.loads(f.read_text()) for f in sorted(workdir.glob("rank*.json"))]
+
+
+def build_example(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The example GPT, its data and the strategy named by ``cfg`` (``"ddp"`` or HybridParallelStrategy kwargs)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, CharDataModule
+
+    from lightning_hybrid.strategies import HybridParallelStrategy
+
+    torch.manual_seed(0)
+    data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
+    model = GPT(
+        vocab_size=data.vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
+        n_head=4, optimizer="adamw",
+    )  # fmt: skip
+    strategy: Any = "ddp" if cfg["strategy"] == "ddp" else HybridParallelStrategy(**cfg["strategy"])
+    return model, data, strategy

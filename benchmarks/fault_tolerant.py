@@ -27,30 +27,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _jobs import run_job  # noqa: E402
+from _jobs import build_example, run_job  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ worker
 
 
 def worker(cfg: dict[str, Any]) -> None:
     import lightning as L
-    import torch
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from gpt import GPT, CharDataModule
 
     from lightning_hybrid.callbacks import FaultTolerantCheckpoint
-    from lightning_hybrid.strategies import HybridParallelStrategy
 
-    torch.manual_seed(0)
-    data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
-    model = GPT(
-        vocab_size=data.vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-        n_head=4, optimizer="adamw",
-    )  # fmt: skip
-    strategy: Any = "ddp" if cfg["strategy"] == "ddp" else HybridParallelStrategy(**cfg["strategy"])
+    model, data, strategy = build_example(cfg)
     starts: list[float] = []
-    saved_at: list[int] = []
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

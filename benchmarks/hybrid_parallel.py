@@ -22,7 +22,7 @@ from lightning_hybrid.strategies._layout import SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _jobs import run_job  # noqa: E402
+from _jobs import build_example, run_job  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ worker
 
@@ -44,19 +44,10 @@ def worker(cfg: dict[str, Any]) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    from gpt import GPT, CharDataModule
-
     from lightning_hybrid.strategies import HybridParallelStrategy
 
-    torch.manual_seed(0)
-    data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
-    model = GPT(
-        vocab_size=data.vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"],
-        n_head=4, optimizer="adamw",
-    )  # fmt: skip
+    model, data, strategy = build_example(cfg)
     psi = sum(p.numel() for p in model.parameters())
-    strategy: Any = "ddp" if cfg["strategy"] == "ddp" else HybridParallelStrategy(**cfg["strategy"])
     times: list[float] = []
     memory: dict[str, int] = {}
     timeline: list[tuple[str, int, float, float]] = []
