@@ -73,6 +73,9 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        # wait for the thread to leave any store call: a thread inside C++ at interpreter exit aborts it
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
 
     def beat(self, step: int) -> None:
         """A step finished (called from the training loop; cheap: no I/O here)."""

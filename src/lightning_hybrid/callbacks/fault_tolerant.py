@@ -463,6 +463,9 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             self._save(trainer, trainer.global_step, background=False)
         elif self._write is not None:
             self._finish_write(trainer)
+        if self._ckpt_group is not None:
+            dist.destroy_process_group(self._ckpt_group)  # no writer thread uses it any more
+            self._ckpt_group = None
         self._shutdown()
 
     @override
