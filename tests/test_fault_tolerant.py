@@ -119,6 +119,17 @@ def test_kill_during_a_write_and_corrupted_checkpoints_fall_back_to_the_previous
     assert "skipping checkpoint" in again.output and "step-000000012: checkpoint.pt does not match" in again.output
     assert "step-000000010: rank-00001.pt has 100 bytes" in again.output
 
+    # with no valid checkpoint left, "last" starts fresh (from the initial weights, saved as step 0)
+    for step_dir in root.glob("step-*"):
+        (step_dir / "manifest.json").write_text("{")
+    fresh = launch("fault_tolerant.py", {**cfg, "inject": {}, "steps": 4}, nproc=2)
+    assert "no valid checkpoint under" in fresh.output and "starting fresh" in fresh.output
+    for rank in (0, 1):
+        assert fresh.rank(rank)["resumed_from"].endswith("step-000000000/checkpoint.pt")
+        assert fresh.rank(rank)["global_step"] == 4
+    # the initial model again (dropout masks differ: the RNG is restored to where the step-0 save found it)
+    assert abs(fresh.rank(0)["steps"]["1"]["loss"] - reference["steps"]["1"]["loss"]) < 0.05
+
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_nan_on_one_rank_triggers_the_same_policy_on_every_rank(tmp_path, policy):

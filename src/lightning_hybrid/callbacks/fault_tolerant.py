@@ -253,18 +253,18 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             for path, why in sorted(self._rejected.items(), reverse=True):
                 _event(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
-            link = self._root / store.LAST_LINK
             if chosen is not None:
                 store.point_last(self._root, self._load_target(Path(chosen)))
-            elif link.is_symlink() or link.exists():
-                link.unlink()
-            if chosen is None and self._rejected:
-                _event(
-                    f"FaultTolerantCheckpoint: no valid checkpoint under {self._root}; `ckpt_path='last'` cannot"
-                    " resume. Remove the directory (or pass ckpt_path=None) to start fresh."
-                )
         if chosen is not None:
             self.last_model_path = str(self._load_target(Path(chosen)))
+        elif self._rejected:
+            # Lightning already chose to load `last.ckpt` (it resolves "last" before any process group
+            # exists): give it the initial state, written as step 0, so the run starts fresh
+            _event(
+                f"FaultTolerantCheckpoint: no valid checkpoint under {self._root}; starting fresh from the"
+                " initial weights (saved as step 0)."
+            )
+            self._save(trainer, 0, background=False)
         strategy.barrier("FaultTolerantCheckpoint.agree_on_last")
 
     @staticmethod
