@@ -203,3 +203,28 @@ def test_a_restarted_worker_gets_a_fresh_store(monkeypatch):
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     assert not prepare_elastic_restart()  # once per process
     assert os.environ["MASTER_PORT"] == "29503"
+
+
+def _fit_single_device(tmp_path, steps: int, *, epochs_over: bool = False) -> dict[str, torch.Tensor]:
+    import lightning as L
+    from gpt import GPT, CharDataModule
+
+    L.seed_everything(0)
+    data = CharDataModule(block_size=16, batch_size=64, stride=16)  # a short epoch: resume crosses epochs
+    model = GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=16, n_head=2, dropout=0.1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[FaultTolerantCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data, ckpt_path="last")
+    assert trainer.num_training_batches < steps  # the run spans several epochs
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.trainer
+def test_single_device_resume_across_an_epoch_boundary_is_bitwise_exact(tmp_path):
+    uninterrupted = _fit_single_device(tmp_path / "a", 25)
+    _fit_single_device(tmp_path / "b", 11)  # stops at 11; its last checkpoints are steps 9 and 11
+    resumed = _fit_single_device(tmp_path / "b", 25)
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)

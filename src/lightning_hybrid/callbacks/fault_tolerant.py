@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -358,6 +359,9 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
                 sampler.resume_at(self._resume_data["epoch"], self._resume_data["consumed"])
             self._samplers.append((sampler, batch_sampler.batch_size))
         self._resume_data = None
+        if self._samplers and len(self._samplers) == len(train_dataloaders(trainer)):
+            # Lightning warns that a mid-epoch resume without a stateful loader is unreliable: not with ours
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
         if self._samplers:
             # the fit loop already prefetched a batch with the old sampler: start over with ours
             restart_train_iterator(trainer)
@@ -385,8 +389,11 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         self._nonfinite_now = False
-        if self.nan_policy is None or getattr(trainer.precision_plugin, "scaler", None) is not None:
+        plugin = trainer.precision_plugin
+        if self.nan_policy is None or getattr(plugin, "scaler", None) is not None:
             return  # a loss scaler already skips steps with overflowing gradients
+        if getattr(plugin, "skips_nonfinite_steps", False):
+            return  # AdaptiveLossScalingPrecision skips them, agreed across ranks, before this hook runs
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         bad = agree([0.0 if all_finite(p.grad for p in params) else 1.0], device=trainer.strategy.root_device)[0]
         if not bad:
@@ -430,10 +437,21 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
             self._preempt(trainer, step)
         elif stepped and step > self._last_saved_step:
             every = self.every_n_train_steps_ft
-            if (every is not None and step % every == 0) or time_due_all:
+            if self._is_last_step(trainer):
+                # saved here, not in on_train_end: by then Lightning marks the epoch finished, and a resume
+                # with a larger max_steps would skip the rest of the epoch's data
+                self._save(trainer, step, background=False)
+            elif (every is not None and step % every == 0) or time_due_all:
                 self._save(trainer, step, background=self.async_save)
         if self._watchdog is not None:
             self._watchdog.beat(step)
+
+    @staticmethod
+    def _is_last_step(trainer: pl.Trainer) -> bool:
+        if 0 <= trainer.max_steps <= trainer.global_step:
+            return True
+        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
     def _track_data_position(self, trainer: pl.Trainer, batch_idx: int) -> None:
         if not self._samplers:

@@ -1,3 +1,6 @@
-"""Lightning precision plugins of lightning-hybrid."""
+"""Precision plugins of lightning-hybrid."""
 
-__all__: list[str] = []
+from lightning_hybrid.plugins._loss_scale import LossScaleConfig
+from lightning_hybrid.plugins.adaptive_loss_scaling import AdaptiveLossScalingPrecision
+
+__all__ = ["AdaptiveLossScalingPrecision", "LossScaleConfig"]
