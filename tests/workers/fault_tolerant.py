@@ -10,6 +10,8 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         hang: the rank sleeps for an hour at the start of the batch after step k
         kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
         fail_write: every file write of checkpoint k raises OSError on that rank
+        inf: one gradient element of that rank is set to inf in the window of step k+1
+    plugin: AdaptiveLossScalingPrecision kwargs ("config": LossScaleConfig kwargs)
     weights: where rank 0 writes the final consolidated state_dict
 """
 
@@ -33,6 +35,7 @@ from train_gpt import make_strategy
 
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint
 from lightning_hybrid.callbacks import _store as store
+from lightning_hybrid.plugins import AdaptiveLossScalingPrecision, LossScaleConfig
 from lightning_hybrid.strategies import HybridParallelStrategy
 from lightning_hybrid.utilities import consolidate_checkpoint
 
@@ -57,6 +60,12 @@ class Injector(Callback):
         hang = self.inject.get("hang")
         if _armed(hang) and step == hang["step"]:
             time.sleep(3600)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        spec = self.inject.get("inf")
+        if _armed(spec) and trainer.global_step == spec["step"]:
+            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+            grad.view(-1)[0] = float("inf")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         kill = self.inject.get("kill")
@@ -89,6 +98,10 @@ class Recorder(Callback):
         entry = self.steps.setdefault(trainer.global_step, {})
         entry["loss"] = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
         entry["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
+        plugin = trainer.precision_plugin
+        if hasattr(plugin, "loss_scale"):
+            entry["scale"] = plugin.loss_scale
+            entry["skipped"] = plugin.last_step_skipped
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
@@ -152,6 +165,11 @@ def main(cfg: dict[str, Any]) -> None:
     model = NanGPT(**model_cfg)
     data = CharDataModule(block_size=model_cfg["block_size"], **{"batch_size": 4, **cfg.get("data", {})})
     ft = FaultTolerantCheckpoint(**cfg["ft"])
+    plugins = []
+    if "plugin" in cfg:
+        kwargs = dict(cfg["plugin"])
+        kwargs["config"] = LossScaleConfig(**kwargs.get("config", {}))
+        plugins.append(AdaptiveLossScalingPrecision(**kwargs))
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -162,6 +180,7 @@ def main(cfg: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Injector(inject), ft, recorder],
+        plugins=plugins,
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
     report: dict[str, Any] = {"rank": rank(), "attempt": ATTEMPT, "pid": os.getpid()}
@@ -181,6 +200,7 @@ def main(cfg: dict[str, Any]) -> None:
             "rollbacks": ft.rollbacks,
             "nonfinite_steps": ft.nonfinite_steps,
             "last_model_path": ft.last_model_path,
+            "plugin": trainer.precision_plugin.state_dict() if plugins else None,
             "resumed_from": ft.resumed_from,
         }
     )

@@ -133,8 +133,8 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
 
     def scale_pipeline_loss(self, loss: Tensor) -> Tensor:
         """Called by HybridParallelStrategy on each micro-batch loss inside the pipeline schedule."""
-        if torch.is_grad_enabled():  # training, not a pipelined validation step
-            self._note_loss(loss)
+        # not noted here: the schedule also calls it on placeholder tensors while it infers shapes; the
+        # step's mean loss reaches pre_backward through the strategy instead
         return loss * self.loss_scale if self._scaling else loss
 
     def unscale_pipeline_loss(self, loss: Tensor) -> Tensor:
