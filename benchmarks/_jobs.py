@@ -47,3 +47,11 @@ def build_example(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     )  # fmt: skip
     strategy: Any = "ddp" if cfg["strategy"] == "ddp" else HybridParallelStrategy(**cfg["strategy"])
     return model, data, strategy
+
+
+def publish(lines: list[str], out: Path, name: str) -> None:
+    """Print a benchmark's table and keep it as ``out/name``."""
+    table = "\n".join(lines)
+    print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(table + "\n")

@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _jobs import build_example, run_job  # noqa: E402
+from _jobs import build_example, publish, run_job  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ worker
 
@@ -170,10 +170,7 @@ def main() -> None:
         "serialisation, fsync and SHA-256 included); disk MB/s = median of 3 new-file writes + fsync of as many bytes.",
         "Targets: async stall <= 0.10 x sync stall; save throughput >= 0.80 x disk.",
     ]
-    table = "\n".join(lines)
-    print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fault_tolerant_cpu.txt").write_text(table + "\n")
+    publish(lines, args.out, "fault_tolerant_cpu.txt")
 
 
 if __name__ == "__main__":

@@ -305,6 +305,10 @@ class GPTCLI(LightningCLI):
         for key in ("train_loss", "val_loss", "val_ppl"):
             if key in metrics:
                 lines.append(f"  {key:<17} {metrics[key]:.4f}")
+        plugin = trainer.precision_plugin
+        if hasattr(plugin, "loss_scale"):
+            name = type(plugin).__name__
+            lines.append(f"  loss scale        {plugin.loss_scale:g} ({name}, {plugin.skipped_steps} skipped steps)")
         for callback in trainer.callbacks:
             if type(callback).__name__ == "FaultTolerantCheckpoint":
                 lines.append(f"  resumed from      {callback.resumed_from or '- (fresh start)'}")

@@ -182,8 +182,10 @@ HYBRID = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "zero_
 
 
 def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_layout(tmp_path):
-    """HybridParallelStrategy (pp2 x dp2, ZeRO-1, accumulate 2) with FaultTolerantCheckpoint, one rank killed."""
-    common = {"strategy": HYBRID, "trainer": {"accumulate_grad_batches": 2}, "steps": 8}
+    """HybridParallelStrategy (pp2 x dp2, ZeRO-1, accumulate 2) + AdaptiveLossScalingPrecision (fp16) +
+    FaultTolerantCheckpoint, one rank killed mid-window."""
+    plugin = {"policy": "adaptive", "config": {"init_scale": 2.0**12, "adapt_interval": 2}}
+    common = {"strategy": HYBRID, "trainer": {"accumulate_grad_batches": 2}, "steps": 8, "plugin": plugin}
     ref_cfg = _job(tmp_path, "hybrid-ref", **common)
     ref = launch("fault_tolerant.py", ref_cfg, nproc=4, timeout=300)
     # batch 10 opens the window of step 6: rank 2 dies with half a window of gradients accumulated
@@ -195,12 +197,15 @@ def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_l
     assert _max_diff(Path(ref_cfg["weights"]), Path(cfg["weights"])) == 0.0
     for step in range(5, 9):
         assert killed.rank(0)["steps"][str(step)]["loss"] == ref.rank(0)["steps"][str(step)]["loss"]
+        assert killed.rank(0)["steps"][str(step)]["scale"] == ref.rank(0)["steps"][str(step)]["scale"]
+    assert killed.rank(3)["plugin"] == ref.rank(3)["plugin"]  # the loss scaler's state resumed exactly
     manifest = json.loads((Path(cfg["ft"]["dirpath"]) / "step-000000008" / "manifest.json").read_text())
     assert manifest["layout"]["pipeline_parallel_size"] == 2 and manifest["world_size"] == 4
 
     # the same checkpoint directory resumes on 2 processes without a pipeline (pp1 x dp2, ZeRO-0)
     other = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": 0}}
     moved_cfg = {**cfg, "inject": {}, "strategy": other, "steps": 10, "out": str(tmp_path / "moved"), "weights": None}
+    del moved_cfg["plugin"]  # fp32 now: the checkpoint's loss-scaler state is simply not used
     moved = launch("fault_tolerant.py", moved_cfg, nproc=2)
     weights = torch.load(cfg["weights"])
     digest = sum(v.double().abs().sum().item() for k, v in weights.items() if not k.startswith("val_"))

@@ -151,3 +151,28 @@ def test_overflowing_steps_leave_weights_and_the_lr_schedule_alone():
     assert ours.optimizer_steps_taken == 24 - skipped
     assert all(torch.isfinite(v).all() for v in weights.values())
     assert math.log2(ours.loss_scale).is_integer()
+
+
+@pytest.mark.trainer
+def test_scale_skip_rate_and_headroom_reach_the_loggers_every_n_steps(tmp_path):
+    import csv
+
+    from gpt import GPT, CharDataModule
+    from lightning.pytorch.loggers import CSVLogger
+
+    L.seed_everything(0)
+    data = CharDataModule(block_size=16, batch_size=8, stride=16)
+    model = GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=32, n_head=2)
+    plugin = AdaptiveLossScalingPrecision(policy="adaptive")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=12, logger=CSVLogger(tmp_path), log_every_n_steps=4,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        num_sanity_val_steps=0, plugins=[plugin], accumulate_grad_batches=2,
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("loss_scale")]
+    assert [int(r["step"]) for r in rows] == [4, 8, 12]  # once per log_every_n_steps optimizer steps
+    assert all(float(r["loss_scale"]) == plugin.loss_scale for r in rows[-1:])
+    assert all(float(r["skipped_rate"]) == 0.0 and float(r["headroom_log2"]) > 0 for r in rows)
+    assert plugin.scaler_state.state.steps == 12  # one decision per optimizer step with accumulation

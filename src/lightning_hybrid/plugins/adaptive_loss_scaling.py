@@ -206,7 +206,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
             return
         every = self.log_every_n_steps or trainer.log_every_n_steps
         state = self.scaler_state.state
-        if state.steps % max(every, 1):
+        if (trainer.global_step + 1) % max(every, 1):
             return
         metrics = {
             "loss_scale": self.loss_scale,
@@ -214,7 +214,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
             "headroom_log2": math.log2(state.last_headroom) if 0 < state.last_headroom < math.inf else 0.0,
         }
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=trainer.global_step + 1)  # the step being completed
 
     # ---------------------------------------------------------------------------------- checkpoints
 
