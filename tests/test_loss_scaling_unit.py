@@ -176,3 +176,58 @@ def test_scale_skip_rate_and_headroom_reach_the_loggers_every_n_steps(tmp_path):
     assert all(float(r["loss_scale"]) == plugin.loss_scale for r in rows[-1:])
     assert all(float(r["skipped_rate"]) == 0.0 and float(r["headroom_log2"]) > 0 for r in rows)
     assert plugin.scaler_state.state.steps == 12  # one decision per optimizer step with accumulation
+
+
+@pytest.mark.unit
+def test_a_checkpoint_written_with_lightnings_mixed_precision_loads_its_scale():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**11)
+    checkpoint = {"MixedPrecision": scaler.state_dict()}
+    plugin = AdaptiveLossScalingPrecision(policy="dynamic")
+    plugin.on_load_checkpoint(checkpoint)
+    assert plugin.loss_scale == 2.0**11
+
+
+class _NanAt(L.Callback):
+    """Turns the model's loss into NaN for one step (a forward NaN, not an overflow)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.nan_now = trainer.global_step == self.step
+
+
+@pytest.mark.trainer
+def test_a_nonfinite_loss_skips_without_lowering_the_scale_and_the_floor_names_layers(tmp_path):
+    from gpt import GPT, CharDataModule
+
+    class NanGPT(GPT):
+        nan_now = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.nan_now else loss
+
+    L.seed_everything(0)
+    data = CharDataModule(block_size=16, batch_size=8, stride=16)
+    model = NanGPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=32, n_head=2)
+    plugin = AdaptiveLossScalingPrecision(policy="dynamic", config=LossScaleConfig(init_scale=2.0**8))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        plugins=[plugin], callbacks=[_NanAt(3)],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    state = plugin.scaler_state.state
+    assert state.skipped_steps == 1 and state.nonfinite_loss_steps == 1 and plugin.loss_scale == 2.0**8
+
+    # an unrecoverable overflow: after max_consecutive_skips the plugin raises with the layers' names
+    plugin = AdaptiveLossScalingPrecision(
+        policy="dynamic", config=LossScaleConfig(init_scale=2.0**40, max_scale=2.0**40), max_consecutive_skips=3
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=[plugin],
+    )  # fmt: skip
+    with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped \(overflow\).*layers\."):
+        trainer.fit(GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=32, n_head=2), datamodule=data)
