@@ -231,3 +231,11 @@ def test_a_nonfinite_loss_skips_without_lowering_the_scale_and_the_floor_names_l
     )  # fmt: skip
     with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped \(overflow\).*layers\."):
         trainer.fit(GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=32, n_head=2), datamodule=data)
+
+
+@pytest.mark.trainer
+def test_bf16_mixed_keeps_the_agreed_check_with_a_scale_of_one():
+    plugin = AdaptiveLossScalingPrecision(precision="bf16-mixed")
+    weights, scales, _ = _fit(plugin, steps=4)
+    assert scales == [1.0] * 4 and plugin.skipped_steps == 0 and plugin.optimizer_steps_taken == 4
+    assert all(v.dtype != torch.bfloat16 for v in weights.values())  # fp32 master weights
