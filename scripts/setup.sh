@@ -27,8 +27,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "[setup] torch 2.13.0 installed from local wheels"
   elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch>=2.13"
-  elif ! "$PY" -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null; then
-    "$PY" -m pip install -q "torch>=2.13"
+  elif ! "$PY" -m pip install -q --timeout 15 --retries 1 "torch==2.13.0" \
+      --index-url https://download.pytorch.org/whl/cpu 2>/dev/null; then
+    # the CPU wheel index is unreachable (offline mirror, firewall): take whatever the configured index has
+    "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q "torch>=2.13"
   fi
 fi
 
