@@ -228,3 +228,11 @@ def test_single_device_resume_across_an_epoch_boundary_is_bitwise_exact(tmp_path
     _fit_single_device(tmp_path / "b", 11)  # stops at 11; its last checkpoints are steps 9 and 11
     resumed = _fit_single_device(tmp_path / "b", 25)
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+def test_watchdog_beat_within_a_step_refreshes_the_clock_without_adding_a_step_time():
+    dog = Watchdog(timeout=None, rank=0, world_size=1)
+    dog.beat(1)
+    dog.beat(1)  # a validation batch during fit: still step 1
+    dog.beat(2)
+    assert len(dog._durations) == 2

@@ -464,8 +464,9 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
     @override
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if self._watchdog is not None and trainer.training:
-            self._watchdog.beat(trainer.global_step)
+        # validation inside fit is progress too (the watchdog only runs while fitting)
+        if self._watchdog is not None:
+            self._watchdog.beat(trainer.global_step)  # same step: refreshes the clock, adds no step time
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
