@@ -1,0 +1,230 @@
+"""AccumulationScheduler: exact gradient-accumulation schedules by step, epoch, samples, ramp or noise scale."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hybrid._agree import agree
+from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
+
+__all__ = ["AccumulationScheduler"]
+
+Unit = Literal["step", "epoch", "samples", "adaptive"]
+
+
+class AccumulationScheduler(Callback):
+    """Changes ``accumulate_grad_batches`` during training so that every step averages exactly its window.
+
+    A new ``K`` takes effect only at a batch where the old window has ended and which is a multiple of the
+    new ``K`` (Lightning aligns windows to multiples of ``K`` within an epoch); until then it waits. The
+    partial last window of an epoch is scaled by ``K / r`` so it is the true mean of its ``r`` batches.
+    Works with any strategy (DDP, HybridParallelStrategy, single device) and with loss scaling (one
+    decision per window).
+
+    Args:
+        schedule: ``{position: K}``; ``position`` in ``unit``. ``K = 1`` before the first key.
+        unit: ``"step"`` (optimizer steps taken), ``"epoch"``, ``"samples"`` (consumed samples over all
+            data-parallel ranks), or ``"adaptive"`` (``K`` from the measured gradient noise scale).
+        ramp: instead of ``schedule``: ``K`` from ``start`` to ``end`` over ``length`` units.
+        min_k, max_k: bounds of the adaptive ``K`` (powers of two in between).
+        adapt_every: optimizer steps between adaptive changes (each at most x2 or /2).
+        lr_scaling: multiply the LR by ``K / K0`` (``"linear"``) or its square root while ``K`` differs from
+            the first ``K0``; applied around each optimizer step, so it composes with LR schedulers that set
+            the LR from their base values (LambdaLR, cosine, OneCycle, ...).
+        noise_ema: smoothing of the noise-scale estimate (exponential moving average factor per step);
+            ``None`` averages all steps equally.
+
+    Example::
+
+        AccumulationScheduler(schedule={0: 1, 1000: 2, 5000: 8}, unit="step")
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: Union[dict[int, int], None] = None,
+        unit: Unit = "step",
+        ramp: Union[Ramp, None] = None,
+        min_k: int = 1,
+        max_k: int = 64,
+        adapt_every: int = 10,
+        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
+        noise_ema: Union[float, None] = 0.95,
+    ) -> None:
+        if unit not in ("step", "epoch", "samples", "adaptive"):
+            raise ValueError(f"unit must be 'step', 'epoch', 'samples' or 'adaptive', got {unit!r}.")
+        if lr_scaling not in ("none", "linear", "sqrt"):
+            raise ValueError(f"lr_scaling must be 'none', 'linear' or 'sqrt', got {lr_scaling!r}.")
+        if (schedule is None) == (ramp is None) and unit != "adaptive":
+            raise ValueError("give exactly one of schedule= or ramp= (or unit='adaptive').")
+        if not 1 <= min_k <= max_k:
+            raise ValueError(f"need 1 <= min_k <= max_k, got {min_k}, {max_k}.")
+        if adapt_every < 1:
+            raise ValueError(f"adapt_every must be >= 1, got {adapt_every}.")
+        self.unit = unit
+        self.schedule = validate_schedule(ramp.schedule() if ramp is not None else schedule or {0: min_k})
+        self.min_k, self.max_k, self.adapt_every = min_k, max_k, adapt_every
+        self.lr_scaling = lr_scaling
+        self.noise = NoiseScale(beta=noise_ema)
+        # state (saved)
+        self.k = lookup(self.schedule, 0)
+        self.k0 = self.k
+        self.samples = 0
+        self.last_adapt_step = 0
+        self._in_window = 0
+        self._small_sq: Union[float, None] = None
+        self._micro_samples = 0
+        self._saved_lrs: list[tuple[dict[str, Any], float, float]] = []
+
+    # ------------------------------------------------------------------------------------- readable
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        return self.k
+
+    @property
+    def noise_scale(self) -> Union[float, None]:
+        return self.noise.value
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks (known once a batch was seen)."""
+        return self.k * self._micro_samples
+
+    # -------------------------------------------------------------------------------------- hooks
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.accumulate_grad_batches = self.k
+
+    def _position(self, trainer: pl.Trainer) -> float:
+        if self.unit == "epoch":
+            return trainer.current_epoch
+        if self.unit == "samples":
+            return self.samples
+        return trainer.global_step
+
+    def _wanted(self, trainer: pl.Trainer) -> int:
+        if self.unit != "adaptive":
+            return lookup(self.schedule, self._position(trainer))
+        b_simple = self.noise.value
+        if b_simple is None or trainer.global_step - self.last_adapt_step < self.adapt_every or not self._micro_samples:
+            return self.k
+        target = 2 ** round(math.log2(max(b_simple / self._micro_samples, 1.0)))
+        target = min(max(target, self.min_k, self.k // 2), self.max_k, self.k * 2)  # at most x2 per change
+        return int(target)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx % self.k == 0:  # a window starts here
+            wanted = self._wanted(trainer)
+            if wanted != self.k and can_switch(batch_idx, self.k, wanted):
+                self.k = wanted
+                trainer.accumulate_grad_batches = wanted
+                self.last_adapt_step = trainer.global_step
+        self._in_window = batch_idx % self.k + 1
+        self._micro_samples = _batch_size(batch) * _replicas(trainer)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # during accumulation DDP does not synchronise: after the window's first backward the gradient is
+        # this rank's first micro-batch gradient divided by K (the noise scale's small batch)
+        if self.unit == "adaptive" and self._in_window == 1 and self.k > 1:
+            self._small_sq = _local_sq_norm(pl_module) * self.k**2
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if 0 < self._in_window < self.k:
+            # the epoch's partial last window: Lightning divided by K, the window has r < K batches
+            for p in params:
+                p.grad.mul_(self.k / self._in_window)
+        if self.unit == "adaptive" and self._small_sq is not None:
+            replicas = _replicas(trainer)
+            big_local = sum(float(p.grad.detach().float().pow(2).sum()) for p in params)
+            # one 2-scalar all-reduce: small-batch norms averaged over ranks, big-batch norm summed over shards
+            small_sum, big_sum = agree([self._small_sq, big_local], op="sum", device=trainer.strategy.root_device)
+            # each data-parallel replica holds (its stages' part of) both gradients: average over replicas
+            b_small = self._micro_samples / replicas
+            self.noise.update(small_sum / replicas, big_sum / replicas, b_small, self._micro_samples * self.k)
+            self._small_sq = None
+        factor = self._lr_factor()
+        self._saved_lrs = []
+        if factor != 1.0:
+            for group in optimizer.param_groups:
+                self._saved_lrs.append((group, group["lr"], group["lr"] * factor))
+                group["lr"] = group["lr"] * factor
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.samples += self._micro_samples
+        for group, base, scaled in self._saved_lrs:
+            if group["lr"] == scaled:  # a scheduler that set a new LR from its base values wins
+                group["lr"] = base
+        self._saved_lrs = []
+        if trainer.loggers and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            metrics = {
+                "accumulate_grad_batches": float(self.k),
+                "effective_batch_size": float(self.effective_batch_size),
+            }
+            if self.noise.value is not None:
+                metrics["noise_scale"] = self.noise.value
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def _lr_factor(self) -> float:
+        ratio = self.k / self.k0
+        return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+    # -------------------------------------------------------------------------------------- state
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "k": self.k,
+            "k0": self.k0,
+            "samples": self.samples,
+            "last_adapt_step": self.last_adapt_step,
+            "noise": self.noise.state_dict(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.k, self.k0 = int(state_dict["k"]), int(state_dict["k0"])
+        self.samples = int(state_dict["samples"])
+        self.last_adapt_step = int(state_dict["last_adapt_step"])
+        self.noise.load_state_dict(state_dict["noise"])
+
+
+def _replicas(trainer: pl.Trainer) -> int:
+    """Data-parallel ranks (a pipeline's stages see the same samples; single-device strategies have none)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1))
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (tuple, list)) else batch
+    while isinstance(first, (tuple, list, dict)):
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return int(first.shape[0]) if isinstance(first, Tensor) else 1
+
+
+def _local_sq_norm(module: pl.LightningModule) -> float:
+    total = 0.0
+    for p in module.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            total += float(g.detach().float().pow(2).sum())
+    return total
