@@ -310,6 +310,11 @@ class GPTCLI(LightningCLI):
             name = type(plugin).__name__
             lines.append(f"  loss scale        {plugin.loss_scale:g} ({name}, {plugin.skipped_steps} skipped steps)")
         for callback in trainer.callbacks:
+            if type(callback).__name__ == "AccumulationScheduler":
+                lines.append(
+                    f"  accumulation      K={callback.accumulate_grad_batches}, effective batch"
+                    f" {callback.effective_batch_size} samples"
+                )
             if type(callback).__name__ == "FaultTolerantCheckpoint":
                 lines.append(f"  resumed from      {callback.resumed_from or '- (fresh start)'}")
                 lines.append(f"  last checkpoint   {callback.last_model_path or '-'}")

@@ -35,6 +35,7 @@ def test_lookup_switch_rule_and_ramps():
         ({"schedule": {0: 2}, "unit": "tokens"}, "unit must be"),
         ({"schedule": {0: 2}, "ramp": Ramp(start=1, end=2, length=5)}, "exactly one"),
         ({"ramp": Ramp(start=1, end=4, length=5), "lr_scaling": "cubic"}, "lr_scaling"),
+        ({"unit": "adaptive", "min_k": 1}, "needs min_k >= 2"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, message):

@@ -182,20 +182,23 @@ HYBRID = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "zero_
 
 
 def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_layout(tmp_path):
-    """HybridParallelStrategy (pp2 x dp2, ZeRO-1, accumulate 2) + AdaptiveLossScalingPrecision (fp16) +
-    FaultTolerantCheckpoint, one rank killed mid-window."""
+    """HybridParallelStrategy (pp2 x dp2, ZeRO-1) + AdaptiveLossScalingPrecision (fp16) + an AccumulationScheduler
+    that changes K from 1 to 2 mid-run + FaultTolerantCheckpoint, one rank killed mid-window."""
     plugin = {"policy": "adaptive", "config": {"init_scale": 2.0**12, "adapt_interval": 2}}
-    common = {"strategy": HYBRID, "trainer": {"accumulate_grad_batches": 2}, "steps": 8, "plugin": plugin}
+    # K=1 for steps 1-3 (batches 0-2); K=2 from batch 4 (the change waits for an even batch): step 7 = batches 10-11
+    accumulation = {"schedule": {0: 1, 3: 2}, "unit": "step"}
+    common = {"strategy": HYBRID, "steps": 8, "plugin": plugin, "accumulation": accumulation}
     ref_cfg = _job(tmp_path, "hybrid-ref", **common)
     ref = launch("fault_tolerant.py", ref_cfg, nproc=4, timeout=300)
-    # batch 10 opens the window of step 6: rank 2 dies with half a window of gradients accumulated
+    # batch 10 opens the window of step 7: rank 2 dies with half a window of gradients accumulated
     cfg = _job(tmp_path, "hybrid-kill", inject={"kill_batch": {"batch": 10, "rank": 2}}, **common)
     killed = launch("fault_tolerant.py", cfg, nproc=4, max_restarts=1, timeout=400)
     for rank in range(4):
         assert killed.rank(rank)["attempt"] == 1
-        assert killed.rank(rank)["resumed_from"].endswith("step-000000004")  # a sharded (DCP) checkpoint
+        assert killed.rank(rank)["resumed_from"].endswith("step-000000006")  # a sharded (DCP) checkpoint
+        assert killed.rank(rank)["accumulation"] == ref.rank(rank)["accumulation"]  # K, samples, noise state
     assert _max_diff(Path(ref_cfg["weights"]), Path(cfg["weights"])) == 0.0
-    for step in range(5, 9):
+    for step in range(7, 9):
         assert killed.rank(0)["steps"][str(step)]["loss"] == ref.rank(0)["steps"][str(step)]["loss"]
         assert killed.rank(0)["steps"][str(step)]["scale"] == ref.rank(0)["steps"][str(step)]["scale"]
     assert killed.rank(3)["plugin"] == ref.rank(3)["plugin"]  # the loss scaler's state resumed exactly

@@ -12,6 +12,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         fail_write: every file write of checkpoint k raises OSError on that rank
         inf: one gradient element of that rank is set to inf in the window of step k+1
     plugin: AdaptiveLossScalingPrecision kwargs ("config": LossScaleConfig kwargs)
+    accumulation: AccumulationScheduler kwargs
     weights: where rank 0 writes the final consolidated state_dict
 """
 
@@ -33,7 +34,7 @@ from gpt import GPT, CharDataModule
 from lightning.pytorch.callbacks import Callback
 from train_gpt import make_strategy
 
-from lightning_hybrid.callbacks import FaultTolerantCheckpoint
+from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
 from lightning_hybrid.callbacks import _store as store
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision, LossScaleConfig
 from lightning_hybrid.strategies import HybridParallelStrategy
@@ -165,6 +166,10 @@ def main(cfg: dict[str, Any]) -> None:
     model = NanGPT(**model_cfg)
     data = CharDataModule(block_size=model_cfg["block_size"], **{"batch_size": 4, **cfg.get("data", {})})
     ft = FaultTolerantCheckpoint(**cfg["ft"])
+    extra: list[Any] = []
+    if "accumulation" in cfg:
+        acc = cfg["accumulation"]
+        extra.append(AccumulationScheduler(**{**acc, "schedule": {int(k): v for k, v in acc["schedule"].items()}}))
     plugins = []
     if "plugin" in cfg:
         kwargs = dict(cfg["plugin"])
@@ -179,7 +184,7 @@ def main(cfg: dict[str, Any]) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Injector(inject), ft, recorder],
+        callbacks=[Injector(inject), ft, recorder, *extra],
         plugins=plugins,
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
@@ -201,6 +206,7 @@ def main(cfg: dict[str, Any]) -> None:
             "nonfinite_steps": ft.nonfinite_steps,
             "last_model_path": ft.last_model_path,
             "plugin": trainer.precision_plugin.state_dict() if plugins else None,
+            "accumulation": extra[0].state_dict() if extra else None,
             "resumed_from": ft.resumed_from,
         }
     )

@@ -33,7 +33,7 @@ class AccumulationScheduler(Callback):
         unit: ``"step"`` (optimizer steps taken), ``"epoch"``, ``"samples"`` (consumed samples over all
             data-parallel ranks), or ``"adaptive"`` (``K`` from the measured gradient noise scale).
         ramp: instead of ``schedule``: ``K`` from ``start`` to ``end`` over ``length`` units.
-        min_k, max_k: bounds of the adaptive ``K`` (powers of two in between).
+        min_k, max_k: bounds of the adaptive ``K`` (powers of two in between; ``min_k >= 2`` to measure).
         adapt_every: optimizer steps between adaptive changes (each at most x2 or /2).
         lr_scaling: multiply the LR by ``K / K0`` (``"linear"``) or its square root while ``K`` differs from
             the first ``K0``; applied around each optimizer step, so it composes with LR schedulers that set
@@ -52,7 +52,7 @@ class AccumulationScheduler(Callback):
         schedule: Union[dict[int, int], None] = None,
         unit: Unit = "step",
         ramp: Union[Ramp, None] = None,
-        min_k: int = 1,
+        min_k: int = 2,
         max_k: int = 64,
         adapt_every: int = 10,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
@@ -66,6 +66,11 @@ class AccumulationScheduler(Callback):
             raise ValueError("give exactly one of schedule= or ramp= (or unit='adaptive').")
         if not 1 <= min_k <= max_k:
             raise ValueError(f"need 1 <= min_k <= max_k, got {min_k}, {max_k}.")
+        if unit == "adaptive" and min_k < 2:
+            raise ValueError(
+                f"unit='adaptive' needs min_k >= 2 (got {min_k}): the noise scale is measured from one micro-batch"
+                " against the window, so a window must hold at least two."
+            )
         if adapt_every < 1:
             raise ValueError(f"adapt_every must be >= 1, got {adapt_every}.")
         self.unit = unit
