@@ -91,3 +91,33 @@ def test_noise_scale_estimate_is_within_10_percent_of_brute_force():
     trainer.fit(_Frozen(w), train_dataloaders=loader)
     assert scheduler.accumulate_grad_batches == 4 and scheduler.effective_batch_size == 64
     assert scheduler.noise_scale == pytest.approx(b_simple, rel=0.10), f"brute force B_simple = {b_simple:.1f}"
+
+
+@pytest.mark.trainer
+def test_lr_scaling_applies_around_each_step_and_composes_with_the_schedule():
+    seen: list[tuple[float, float]] = []
+
+    class Probe(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append(
+                (optimizer.param_groups[0]["lr"], float(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]))
+            )
+
+    from gpt import GPT, CharDataModule
+
+    L.seed_everything(0)
+    data = CharDataModule(block_size=16, batch_size=4, stride=16)
+    model = GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=16, n_head=2, warmup_steps=10)
+    scheduler = AccumulationScheduler(schedule={0: 1, 2: 4}, lr_scaling="linear")
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        callbacks=[scheduler, Probe()],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)
+    # the step's LR is the schedule's LR times K / K0, never compounding: K=4 is requested after step 2 and
+    # starts at batch 4 (the first multiple of 4), so steps 3 and 4 still run with K=1
+    assert [round(lr / sched, 9) for lr, sched in seen] == [1.0, 1.0, 1.0, 1.0, 4.0]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(
+        trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
+    )
