@@ -190,6 +190,7 @@ def test_bad_arguments_fail_at_construction(tmp_path, kwargs, message):
 
 
 def test_a_restarted_worker_gets_a_fresh_store(monkeypatch):
+    monkeypatch.setattr("lightning_hybrid._elastic.RESTART_PAUSE_S", 0.0)
     for key in ("LIGHTNING_HYBRID_FRESH_STORE",):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")

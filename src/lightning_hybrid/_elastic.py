@@ -5,7 +5,9 @@ agent's key-value store, which still holds the previous attempt's entries. gloo 
 from there and can pick up the dead process's one (``Gloo connectFullMesh failed ... Connection
 refused``): on torch 2.13 most in-place restarts failed that way. A restarted worker therefore forms its
 process group through a fresh store that global rank 0 hosts on ``MASTER_PORT + 1 + attempt`` (on the
-same host as the agent's store), which holds only this attempt's keys. First attempts are untouched.
+same host as the agent's store), which holds only this attempt's keys, after a short pause. First
+attempts are untouched. A re-initialisation can still fail occasionally (about 1 in 20 restarts here):
+give torchrun a spare restart (``--max-restarts`` of 2 or more).
 
 It must run before the process group exists, so the pack's components that are built before the
 ``Trainer`` (the strategy and the checkpoint callback) call it from their constructors. It only changes
@@ -15,10 +17,12 @@ the environment of a worker torchrun restarted.
 from __future__ import annotations
 
 import os
+import time
 
 __all__ = ["prepare_elastic_restart"]
 
 _DONE = "LIGHTNING_HYBRID_FRESH_STORE"
+RESTART_PAUSE_S = 2.0
 
 
 def prepare_elastic_restart() -> bool:
@@ -32,4 +36,7 @@ def prepare_elastic_restart() -> bool:
     os.environ["MASTER_PORT"] = str(port)
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     os.environ[_DONE] = str(port)
+    # and let the previous attempt's sockets close first: without this pause the re-initialisation still
+    # failed now and then (gloo connecting to a peer address that was not listening yet)
+    time.sleep(RESTART_PAUSE_S)
     return True
