@@ -39,16 +39,27 @@ def _job_state(job: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+# a pending job with one of these reasons will never start on its own
+HOPELESS = {"PartitionConfig", "BadConstraints", "PartitionNodeLimit", "PartitionTimeLimit", "ReqNodeNotAvail"}
+
+
+def _fail(job: str, why: str, log: Path) -> None:
+    subprocess.run(["scancel", job], check=False)
+    text = log.read_text() if log.exists() else "(no log yet)"
+    nodes = subprocess.run(["sinfo", "-N", "-o", "%N %t %c %E"], capture_output=True, text=True).stdout
+    pytest.fail(f"job {job}: {why}\nstate: {_job_state(job)}\nnodes:\n{nodes}\njob log:\n{text[-6000:]}")
+
+
 def _wait(job: str, predicate, what: str, timeout: float, log: Path) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = _job_state(job)
         if predicate(state):
             return state
+        if state.get("JobState") == "PENDING" and state.get("Reason") in HOPELESS:
+            _fail(job, f"pending for a reason that cannot clear ({state['Reason']}) while waiting for {what}", log)
         time.sleep(1.0)
-    subprocess.run(["scancel", job], check=False)
-    text = log.read_text() if log.exists() else "(no log)"
-    raise AssertionError(f"job {job}: timed out waiting for {what}; state {_job_state(job)}\n{text[-6000:]}")
+    _fail(job, f"timed out after {timeout:.0f} s waiting for {what}", log)
 
 
 def _submit(tmp: Path, name: str) -> tuple[str, Path, Path]:
@@ -73,9 +84,10 @@ def _submit(tmp: Path, name: str) -> tuple[str, Path, Path]:
     return proc.stdout.strip().split(";")[0], ckpt, log
 
 
+@pytest.mark.timeout(1800)  # the waits below fail first, with the job's state and log
 def test_sbatch_preempted_by_usr1_requeues_and_ends_with_the_uninterrupted_weights(tmp_path, slurm_cluster):
     ref_job, ref_ckpt, ref_log = _submit(tmp_path, "reference")
-    _wait(ref_job, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 600, ref_log)
+    _wait(ref_job, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 480, ref_log)
     assert _job_state(ref_job)["JobState"] == "COMPLETED", ref_log.read_text()[-4000:]
 
     job, ckpt, log = _submit(tmp_path, "preempted")
@@ -96,7 +108,7 @@ def test_sbatch_preempted_by_usr1_requeues_and_ends_with_the_uninterrupted_weigh
         return state.get("JobState") in ("RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 
     _wait(job, started_again, "the requeued job to start", 300, log)
-    _wait(job, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 600, log)
+    _wait(job, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 480, log)
     text = log.read_text()
     assert _job_state(job)["JobState"] == "COMPLETED", text[-4000:]
     saved = re.search(r"saved step (\d+) after a preemption signal; exiting with code 75 \(job requeued\)", text)
