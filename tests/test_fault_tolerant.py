@@ -135,6 +135,7 @@ def test_kill_during_a_write_and_corrupted_checkpoints_fall_back_to_the_previous
 def test_nan_on_one_rank_triggers_the_same_policy_on_every_rank(tmp_path, policy):
     # the loss of the batch that starts at step 5 is NaN on rank 1 only
     cfg = _job(tmp_path, policy, inject={"nan": {"step": 5, "rank": 1}}, ft={"nan_policy": policy}, steps=8)
+    cfg["model"].update({"warmup_steps": 20, "max_steps": 20})  # the LR changes at every step
     result = launch("fault_tolerant.py", cfg, nproc=2)
     for rank in (0, 1):
         report = result.rank(rank)
@@ -143,11 +144,14 @@ def test_nan_on_one_rank_triggers_the_same_policy_on_every_rank(tmp_path, policy
         assert report["global_step"] == 8
         if policy == "skip":
             assert steps["6"]["digest"] == steps["5"]["digest"]  # the update of step 6 did not happen
+            assert steps["6"]["lr"] == steps["5"]["lr"]  # nor did the LR schedule advance
             assert report["rollbacks"] == 0
         else:
             assert steps["6"]["digest"] == steps["4"]["digest"]  # back to the checkpoint of step 4
             assert report["rollbacks"] == 1
         assert steps["7"]["digest"] != steps["6"]["digest"]  # and training goes on
+        assert steps["7"]["lr"] > steps["6"]["lr"] > steps["4"]["lr"]
+        assert steps["7"]["lr_used"] == steps["6"]["lr"]  # a rollback restores the optimizer state, not its LR
     # both ranks hold the same weights afterwards
     assert result.rank(0)["steps"]["8"]["digest"] == result.rank(1)["steps"]["8"]["digest"]
 

@@ -78,7 +78,8 @@ class Injector(Callback):
 
 
 class Recorder(Callback):
-    """Per optimizer step: loss, LR, and a digest of this rank's parameters after the step.
+    """Per optimizer step: loss, LR (the one the update used, and the one after the scheduler), and a digest
+    of this rank's parameters after the step.
 
     The digest is taken when the next batch starts (and at the end), so it includes whatever
     FaultTolerantCheckpoint did after the step: Lightning runs checkpoint callbacks last.
@@ -94,6 +95,10 @@ class Recorder(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # the LR this update uses (the step it completes is global_step + 1)
+        self.steps.setdefault(trainer.global_step + 1, {})["lr_used"] = optimizer.param_groups[0]["lr"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         entry = self.steps.setdefault(trainer.global_step, {})

@@ -35,6 +35,7 @@ from lightning_hybrid._lightning_compat import (
     restart_train_iterator,
     train_dataloaders,
 )
+from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid.callbacks import _store as store
 from lightning_hybrid.callbacks._resume import ResumableSampler, capture_rng, restore_rng
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
@@ -94,8 +95,10 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         async_save: stage the state in CPU memory and write it in the background while training goes on.
         signals: names of the preemption signals to handle (e.g. the one ``sbatch --signal`` sends).
         requeue: after a preemption save, ``scontrol requeue`` the job; ``None``: when running under Slurm.
-        nan_policy: on a non-finite gradient (or loss): ``"skip"`` the update, ``"rollback"`` to the last
-            checkpoint and skip the data window since, or ``"raise"``; ``None`` disables the check.
+        nan_policy: on a non-finite gradient (or loss): ``"skip"`` the update (step-interval LR schedulers
+            do not advance either; ``global_step`` does), ``"rollback"`` to the last checkpoint and skip
+            the data window since (step counter and LR schedule go on), or ``"raise"``; ``None`` disables
+            the check.
         max_rollbacks: give up (raise) after this many rollbacks.
         hang_timeout: seconds without a finished step before the watchdog exits the process; ``None`` derives
             it from the step times seen (at least 5 minutes); ``0`` disables the watchdog.
@@ -312,6 +315,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
         for signum in self.signals:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         self._own_samplers(trainer)
+        if self.nan_policy == "skip":
+            skip_schedulers_when(trainer, self._skipped_last_step)
         self._seen_step = self._last_saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
         if self.hang_timeout != 0:
@@ -319,6 +324,9 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
                 timeout=self.hang_timeout, rank=trainer.global_rank, world_size=trainer.world_size
             )
             self._watchdog.start()
+
+    def _skipped_last_step(self) -> bool:
+        return self._nonfinite_now  # the update was dropped: the LR schedule does not advance either
 
     def _own_samplers(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
@@ -541,12 +549,17 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
     def _load_weights(self, trainer: pl.Trainer, target: Path) -> None:
         """Model and optimizer state from a checkpoint of this run (step counter, LR schedule, data go on)."""
         strategy = trainer.strategy
+        # the optimizer's state comes back, its hyperparameters (the scheduled LR) stay those of now
+        hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
         if isinstance(strategy, ModelParallelStrategy):
             strategy.load_checkpoint(target)  # loads in place, resharding as needed
-            return
-        checkpoint = torch.load(target, map_location="cpu", weights_only=True)
-        strategy.load_model_state_dict(checkpoint)
-        strategy.load_optimizer_state_dict(checkpoint)
+        else:
+            checkpoint = torch.load(target, map_location="cpu", weights_only=True)
+            strategy.load_model_state_dict(checkpoint)
+            strategy.load_optimizer_state_dict(checkpoint)
+        for opt, groups in zip(trainer.optimizers, hyper):
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)
 
     def _preempt(self, trainer: pl.Trainer, step: int) -> None:
         if step > self._last_saved_step:

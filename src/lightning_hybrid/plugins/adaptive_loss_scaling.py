@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree, distributed_ready
+from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid.plugins._clipping import MeshAwareClippingMixin
 from lightning_hybrid.plugins._loss_scale import LossScaleConfig, LossScaler, Policy
 
@@ -196,9 +197,10 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         if self._wrapped_schedulers:
             return
         self._wrapped_schedulers = True
-        for config in model.trainer.lr_scheduler_configs:
-            if config.interval == "step" and not isinstance(config.scheduler, _SkipAwareScheduler):
-                config.scheduler = _SkipAwareScheduler(config.scheduler, self)
+        skip_schedulers_when(model.trainer, self._skipped_last_step)
+
+    def _skipped_last_step(self) -> bool:
+        return self.last_step_skipped
 
     def _log(self, model: pl.LightningModule) -> None:
         trainer = model.trainer
@@ -235,25 +237,6 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         # a checkpoint written with Lightning's MixedPrecision stores the GradScaler under its class name
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
-
-
-class _SkipAwareScheduler:
-    """Forwards everything to an LR scheduler, except ``step()`` right after a skipped optimizer step."""
-
-    def __init__(self, scheduler: Any, plugin: AdaptiveLossScalingPrecision) -> None:
-        self.__dict__["_scheduler"] = scheduler
-        self.__dict__["_plugin"] = plugin
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._plugin.last_step_skipped:
-            return
-        self._scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._scheduler, name, value)
 
 
 def _inf_and_absmax(grads: list[Tensor]) -> tuple[float, float]:
