@@ -81,3 +81,32 @@ def test_killed_mid_window_resumes_the_schedule_exactly(tmp_path):
         assert killed.rank(r)["state"] == ref.rank(r)["state"]  # K, samples counter, noise scale state
         last = str(max(int(s) for s in ref.rank(r)["weights"]))
         assert killed.rank(r)["weights"][last] == ref.rank(r)["weights"][last]
+
+
+def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharded(tmp_path):
+    """The adaptive unit measures the same noise scale under DDP and under HybridParallelStrategy dp2 with
+    ZeRO-0 / 1 / 2: the big-batch norm is summed over disjoint shards, not divided by the replicas."""
+    estimates = {}
+    for name, strategy in [
+        ("ddp", {"name": "ddp"}),
+        *[
+            (f"zero{z}", {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": z}})
+            for z in (0, 1, 2)
+        ],
+    ]:
+        cfg = {
+            "ft": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 100, "nan_policy": None},
+            "steps": 6,
+            "model": {"dropout": 0.0},
+            "strategy": strategy,
+            "accumulation": {"unit": "adaptive", "schedule": {"0": 2}, "min_k": 2, "max_k": 2, "noise_ema": None},
+            "out": str(tmp_path / name / "out"),
+        }
+        result = launch("fault_tolerant.py", cfg, nproc=2)
+        states = [result.rank(r)["accumulation"]["noise"] for r in (0, 1)]
+        assert states[0] == states[1], f"{name}: ranks disagree on the noise scale"
+        assert states[0]["count"] == 6
+        estimates[name] = states[0]
+    for name in ("zero0", "zero1", "zero2"):
+        for key in ("g2", "trace"):
+            assert estimates[name][key] == pytest.approx(estimates["ddp"][key], rel=1e-4), (name, key, estimates)

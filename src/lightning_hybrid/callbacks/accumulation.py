@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
@@ -156,13 +157,16 @@ class AccumulationScheduler(Callback):
             for p in params:
                 p.grad.mul_(self.k / self._in_window)
         if self.unit == "adaptive" and self._small_sq is not None:
-            replicas = _replicas(trainer)
-            big_local = sum(float(p.grad.detach().float().pow(2).sum()) for p in params)
-            # one 2-scalar all-reduce: small-batch norms averaged over ranks, big-batch norm summed over shards
+            replicas, copies, reduced = _replicas(trainer), *_gradient_layout(trainer)
+            # the optimizer's gradients: full on every replica (copies = replicas) or disjoint shards (1)
+            big_local = _sq_norm(p.grad for p in params) / copies
+            # one 2-scalar all-reduce: the small-batch norms and the big-batch norm, each over all ranks
             small_sum, big_sum = agree([self._small_sq, big_local], op="sum", device=trainer.strategy.root_device)
-            # each data-parallel replica holds (its stages' part of) both gradients: average over replicas
-            b_small = self._micro_samples / replicas
-            self.noise.update(small_sum / replicas, big_sum / replicas, b_small, self._micro_samples * self.k)
+            if reduced:  # the first micro-batch's gradient was already averaged over replicas (sharded)
+                small_sq, b_small = small_sum, self._micro_samples
+            else:  # each replica measured its own micro-batch: average the replicas' norms
+                small_sq, b_small = small_sum / replicas, self._micro_samples / replicas
+            self.noise.update(small_sq, big_sum, b_small, self._micro_samples * self.k)
             self._small_sq = None
         factor = self._lr_factor()
         self._saved_lrs = []
@@ -226,10 +230,26 @@ def _batch_size(batch: Any) -> int:
     return int(first.shape[0]) if isinstance(first, Tensor) else 1
 
 
-def _local_sq_norm(module: pl.LightningModule) -> float:
+def _gradient_layout(trainer: pl.Trainer) -> tuple[int, bool]:
+    """How many ranks hold each gradient element the optimizer steps with, and whether every backward
+    already averaged the gradients over the data-parallel replicas (ZeRO-3 / FSDP reduce-scatter each time).
+
+    DDP and ZeRO-0 replicate the gradients and synchronise only when a window closes; ZeRO-1/2 step on
+    disjoint shards; ZeRO-3 also reduce-scatters after each backward.
+    """
+    stage = getattr(getattr(trainer.strategy, "layout", None), "zero_stage", 0)
+    if stage == 0:
+        return _replicas(trainer), False
+    return 1, stage >= 3
+
+
+def _sq_norm(grads: Iterable[Tensor]) -> float:
     total = 0.0
-    for p in module.parameters():
-        if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            total += float(g.detach().float().pow(2).sum())
+    for g in grads:
+        local = g.to_local() if hasattr(g, "to_local") else g  # a DTensor's own shard
+        total += float(local.detach().float().pow(2).sum())
     return total
+
+
+def _local_sq_norm(module: pl.LightningModule) -> float:
+    return _sq_norm(p.grad for p in module.parameters() if p.grad is not None)
