@@ -85,28 +85,35 @@ def test_killed_mid_window_resumes_the_schedule_exactly(tmp_path):
 
 def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharded(tmp_path):
     """The adaptive unit measures the same noise scale under DDP and under HybridParallelStrategy dp2 with
-    ZeRO-0 / 1 / 2: the big-batch norm is summed over disjoint shards, not divided by the replicas."""
-    estimates = {}
-    for name, strategy in [
-        ("ddp", {"name": "ddp"}),
-        *[
-            (f"zero{z}", {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": z}})
-            for z in (0, 1, 2)
-        ],
-    ]:
+    ZeRO-0 / 1 / 2 (the big-batch norm is summed over disjoint shards, not divided by the replicas). Under
+    ZeRO-3 every backward already averages over the replicas, so its small batch is the global micro-batch:
+    it must match one process that takes that global micro-batch (the same samples: the sampler's order is
+    strided over the ranks) with the same K."""
+
+    def run(name: str, strategy: dict, nproc: int, batch: int) -> dict:
         cfg = {
             "ft": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 100, "nan_policy": None},
             "steps": 6,
             "model": {"dropout": 0.0},
+            "data": {"batch_size": batch},
             "strategy": strategy,
             "accumulation": {"unit": "adaptive", "schedule": {"0": 2}, "min_k": 2, "max_k": 2, "noise_ema": None},
             "out": str(tmp_path / name / "out"),
         }
-        result = launch("fault_tolerant.py", cfg, nproc=2)
-        states = [result.rank(r)["accumulation"]["noise"] for r in (0, 1)]
-        assert states[0] == states[1], f"{name}: ranks disagree on the noise scale"
+        result = launch("fault_tolerant.py", cfg, nproc=nproc)
+        states = [result.rank(r)["accumulation"]["noise"] for r in range(nproc)]
+        assert all(state == states[0] for state in states), f"{name}: ranks disagree on the noise scale"
         assert states[0]["count"] == 6
-        estimates[name] = states[0]
-    for name in ("zero0", "zero1", "zero2"):
+        return states[0]
+
+    def hybrid(zero_stage: int) -> dict:
+        return {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": zero_stage}}
+
+    ddp = run("ddp", {"name": "ddp"}, 2, 4)
+    for z in (0, 1, 2):
+        zero = run(f"zero{z}", hybrid(z), 2, 4)
         for key in ("g2", "trace"):
-            assert estimates[name][key] == pytest.approx(estimates["ddp"][key], rel=1e-4), (name, key, estimates)
+            assert zero[key] == pytest.approx(ddp[key], rel=1e-4), (z, key, zero, ddp)
+    zero3, single = run("zero3", hybrid(3), 2, 4), run("single", {"name": "ddp"}, 1, 8)
+    for key in ("g2", "trace"):
+        assert zero3[key] == pytest.approx(single[key], rel=1e-4), (key, zero3, single)
