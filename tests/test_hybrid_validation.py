@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from helpers import launch
 
 from lightning_hybrid.strategies import HybridParallelStrategy
 from lightning_hybrid.strategies._layout import PipelineSplit, partition_layers, resolve_layout
+from lightning_hybrid.strategies._zero import flat_boxes
 
 EXPECTED = {
     "sizes": "pipeline_parallel_size (3) must divide the world size (2)",
@@ -78,3 +82,20 @@ def test_partition_balances_by_cost_and_honours_explicit_splits():
     assert len(weighted[-1]) < len(plain[-1])
     with pytest.raises(ValueError, match="strictly increasing"):
         partition_layers([1.0] * 6, 2, PipelineSplit(split_points=[0]))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 5), (2, 3, 2, 3), (1, 6), (6, 1)])
+def test_flat_boxes_tile_every_flat_range_in_order(shape):
+    """ZeRO slices are flat ranges; DCP stores boxes. Brute force: every range [a, b) of the tensor is covered
+    exactly once, box after box in flat order (so each box is a view of the slice), in at most 2 * ndim - 1."""
+    positions = torch.arange(math.prod(shape)).reshape(shape)
+    n = positions.numel()
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            covered = []
+            boxes = flat_boxes(shape, a, b)
+            assert len(boxes) <= 2 * len(shape) - 1
+            for offsets, sizes in boxes:
+                covered += positions[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))].reshape(-1).tolist()
+            assert covered == list(range(a, b)), (a, b, boxes)

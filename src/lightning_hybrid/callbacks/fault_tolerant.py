@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim import Optimizer
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from typing_extensions import override
@@ -39,6 +40,7 @@ from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid.callbacks import _store as store
 from lightning_hybrid.callbacks._resume import ResumableSampler, capture_rng, restore_rng
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
+from lightning_hybrid.strategies._zero import sharded_to_cpu
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "FaultTolerantCheckpoint"]
 
@@ -695,6 +697,8 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
 
 def _cpu_copy(obj: Any) -> Any:
+    if isinstance(obj, ShardedTensor):  # ZeRO-1/2 optimizer state: this rank's part, views of its shard
+        return sharded_to_cpu(obj)
     if isinstance(obj, Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

@@ -541,7 +541,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return get_model_state_dict(self.lightning_module)
+        state = get_model_state_dict(self.lightning_module)
+        for sharded in self._sharded.values():  # ZeRO-1/2: each replica saves its slice of the parameters
+            state.update({k: v for k, v in sharded.parameter_state_dict().items() if k in state})
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -637,7 +640,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             if not any(rest.startswith(n + ".") for n in names):
                 continue
             if isinstance(meta, TensorStorageMetadata):
-                template[sub] = torch.empty(meta.size, dtype=meta.properties.dtype)
+                # a per-element state loads only this rank's slice; scalars load whole
+                part = sharded.state_template(rest.rpartition(".")[0], meta.size, meta.properties.dtype)
+                template[sub] = part if part is not None else torch.empty(meta.size, dtype=meta.properties.dtype)
             elif isinstance(meta, BytesStorageMetadata):
                 template[sub] = None
         return template
