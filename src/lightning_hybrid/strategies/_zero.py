@@ -8,6 +8,11 @@ reduce-scattered instead of all-reduced and the full gradients are freed before 
 
 This is exact only for element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an optimizer
 that takes per-tensor norms (LAMB, Adafactor) would see a shard instead of a tensor.
+
+Checkpoints keep the layout-free, name-keyed form (one entry per parameter, of the parameter's shape), but
+each rank contributes only its slice: a rank's flat range of a parameter is cut into boxes (``flat_boxes``,
+each contiguous, so each is a view) and handed to torch DCP as a ``ShardedTensor``. Saving gathers nothing;
+loading into any other layout reads, on each rank, only the boxes it owns there.
 """
 
 from __future__ import annotations
