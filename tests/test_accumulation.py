@@ -75,9 +75,9 @@ def test_killed_mid_window_resumes_the_schedule_exactly(tmp_path):
         "ft": {**ft, "dirpath": str(tmp_path / "b")},
         "kill": {"batch": 9, "rank": 1},
     }
-    killed = launch("accumulate.py", cfg, nproc=2, max_restarts=2, timeout=300)
+    killed = launch("accumulate.py", cfg, nproc=2, max_restarts=1, timeout=300)
     for r in (0, 1):
-        assert killed.rank(r)["attempt"] >= 1
+        assert killed.rank(r)["attempt"] == 1
         assert killed.rank(r)["state"] == ref.rank(r)["state"]  # K, samples counter, noise scale state
         last = str(max(int(s) for s in ref.rank(r)["weights"]))
         assert killed.rank(r)["weights"][last] == ref.rank(r)["weights"][last]

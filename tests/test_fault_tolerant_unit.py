@@ -191,8 +191,9 @@ def test_bad_arguments_fail_at_construction(tmp_path, kwargs, message):
 
 def test_a_restarted_worker_gets_a_fresh_store(monkeypatch):
     monkeypatch.setattr("lightning_hybrid._elastic.RESTART_PAUSE_S", 0.0)
-    for key in ("LIGHTNING_HYBRID_FRESH_STORE",):
-        monkeypatch.delenv(key, raising=False)
+    # setenv first, so that the value the code under test writes is removed afterwards too: a marker left
+    # in this process's environment would reach every job the later tests launch
+    monkeypatch.setenv("LIGHTNING_HYBRID_FRESH_STORE", "1:29999")  # inherited from another process: ignored
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -204,6 +205,7 @@ def test_a_restarted_worker_gets_a_fresh_store(monkeypatch):
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"
     assert not prepare_elastic_restart()  # once per process
     assert os.environ["MASTER_PORT"] == "29503"
+    assert os.environ["LIGHTNING_HYBRID_FRESH_STORE"] == f"{os.getpid()}:29503"
 
 
 def _fit_single_device(tmp_path, steps: int, *, epochs_over: bool = False) -> dict[str, torch.Tensor]:
