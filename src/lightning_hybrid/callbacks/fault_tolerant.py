@@ -697,7 +697,7 @@ class FaultTolerantCheckpoint(ModelCheckpoint):
 
 
 def _cpu_copy(obj: Any) -> Any:
-    if isinstance(obj, ShardedTensor):  # ZeRO-1/2 optimizer state: this rank's part, views of its shard
+    if isinstance(obj, ShardedTensor):  # ZeRO-1/2 parameters and optimizer state: views of this rank's slice
         return sharded_to_cpu(obj)
     if isinstance(obj, Tensor):
         return obj.detach().to("cpu", copy=True)

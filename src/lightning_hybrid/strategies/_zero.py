@@ -83,6 +83,8 @@ class FlatShardedOptimizer:
             shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
             self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, flat, shard))
             pg["params"] = [shard]
+        # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
+        self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
 
     @staticmethod
     def _flatten(tensors: list[Tensor | None], padded: int, like: list[Tensor]) -> Tensor:
@@ -181,14 +183,13 @@ class FlatShardedOptimizer:
     def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype) -> Tensor | None:
         """An empty ShardedTensor for the per-element state of parameter ``name`` (this rank's part only),
         or None if ``shape`` is not the parameter's (then the value is not per-element)."""
-        for g in self.groups:
-            for p, n, off in zip(g.params, g.names, g.offsets):
-                if n == name:
-                    if tuple(shape) != tuple(p.shape) or p.dim() == 0:
-                        return None
-                    local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
-                    return self._sharded_view(g, p, off, local)
-        return None
+        if name not in self._where:
+            return None
+        g, p, off = self._where[name]
+        if tuple(shape) != tuple(p.shape) or p.dim() == 0:
+            return None
+        local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
+        return self._sharded_view(g, p, off, local)
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
@@ -207,13 +208,13 @@ class FlatShardedOptimizer:
                 if isinstance(value, ShardedTensor) or (
                     isinstance(value, Tensor) and value.shape == g.params[0].shape and value.dim() > 0
                 ):
-                    state[key] = self._gather_local(g, [flat[f"state.{name}.{key}"] for name in g.names])
+                    state[key] = self._local_slice(g, [flat[f"state.{name}.{key}"] for name in g.names])
                 else:
                     state[key] = value.clone() if isinstance(value, Tensor) else value
             self.optimizer.state[g.shard] = state
 
-    def _gather_local(self, g: _FlatGroup, values: list[Any]) -> Tensor:
-        """This rank's flat slice of a per-element state, from each parameter's full tensor or local parts."""
+    def _local_slice(self, g: _FlatGroup, values: list[Any]) -> Tensor:
+        """This rank's flat slice of a per-element state, from each parameter's full tensor or local boxes."""
         dtype = next(v.dtype for v in values)
         out = torch.zeros(g.shard_numel, dtype=dtype, device=g.shard.device)
         base = self.rank * g.shard_numel
