@@ -13,73 +13,10 @@ from torch.utils.data import DistributedSampler
 
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint, ResumableSampler
-from lightning_hybrid.callbacks import _store as store
 from lightning_hybrid.callbacks._resume import capture_rng, restore_rng
 from lightning_hybrid.callbacks._watchdog import Watchdog
 
 pytestmark = pytest.mark.unit
-
-
-def _checkpoint(root, step: int, payload: bytes = b"x" * 1000) -> os.PathLike:
-    path = store.step_dir(root, step)
-    path.mkdir(parents=True)
-    store.atomic_write(path / "checkpoint.pt", lambda f: f.write(payload))
-    store.atomic_write(path / "rank-00000.pt", lambda f: f.write(payload[:10]))
-    files = store.describe_files(path, ["checkpoint.pt", "rank-00000.pt"])
-    store.write_manifest(path, files, {"step": step})
-    return path
-
-
-def test_manifest_detects_truncation_bit_flips_and_missing_files(tmp_path):
-    path = _checkpoint(tmp_path, 10)
-    assert store.verify(path) is None
-    data = bytearray((path / "checkpoint.pt").read_bytes())
-    data[500] ^= 0x01
-    (path / "checkpoint.pt").write_bytes(bytes(data))
-    assert "SHA-256" in store.verify(path)
-    assert store.verify(path, checksums=False) is None  # same size: only the checksum can tell
-    (path / "checkpoint.pt").write_bytes(bytes(data[:700]))
-    assert "700 bytes" in store.verify(path, checksums=False)
-    (path / "rank-00000.pt").unlink()
-    assert "rank-00000.pt is missing" in store.verify(path, names=["rank-00000.pt"])
-    (path / store.MANIFEST).unlink()
-    assert store.verify(path) == "incomplete (no manifest)"
-
-
-def test_atomic_write_never_leaves_a_partial_file_under_the_real_name(tmp_path):
-    target = tmp_path / "state.pt"
-
-    def fail_half_way(f):
-        f.write(b"half")
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        store.atomic_write(target, fail_half_way)
-    assert list(tmp_path.iterdir()) == []
-    entry = store.atomic_write(target, lambda f: torch.save({"w": torch.arange(1000)}, f))
-    assert entry == {"bytes": target.stat().st_size, "sha256": store.sha256_file(target)}  # hashed while written
-    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.arange(1000))
-
-
-def test_stale_cleanup_and_retention_keep_the_newest_complete_checkpoints(tmp_path):
-    for step in (2, 4, 6, 8):
-        _checkpoint(tmp_path, step)
-    unfinished = store.step_dir(tmp_path, 10)
-    unfinished.mkdir()
-    (unfinished / "checkpoint.pt.tmp-1234abcd").write_bytes(b"partial")
-    (store.step_dir(tmp_path, 8) / "rank-00000.pt.tmp-deadbeef").write_bytes(b"partial")
-    removed = store.clean_stale(tmp_path)
-    assert unfinished in removed and not unfinished.exists()
-    assert not list(store.step_dir(tmp_path, 8).glob("*.tmp-*"))
-    assert [e.step for e in store.checkpoints(tmp_path)] == [8, 6, 4, 2]
-
-    # retention deletes only complete checkpoints beyond keep_last, never a protected one
-    store.retain(tmp_path, 2, protect=[store.step_dir(tmp_path, 2)])
-    assert [e.step for e in store.checkpoints(tmp_path)] == [8, 6, 2]
-
-    store.point_last(tmp_path, store.step_dir(tmp_path, 6) / "checkpoint.pt")
-    assert (tmp_path / store.LAST_LINK).resolve() == (store.step_dir(tmp_path, 6) / "checkpoint.pt").resolve()
-    assert os.readlink(tmp_path / store.LAST_LINK) == os.path.join("step-000000006", "checkpoint.pt")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -177,16 +114,28 @@ def test_watchdog_derives_its_limit_from_step_times():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"keep_last": 1}, "keep_last must be >= 2"),
-        ({"every_n_train_steps": 0}, "every_n_train_steps must be >= 1"),
-        ({"every_n_minutes": -1}, "every_n_minutes must be > 0"),
-        ({"nan_policy": "ignore"}, "nan_policy must be"),
-        ({"signals": ["SIGNOPE"]}, "Unknown signal name"),
+        ({"keep_last": 1}, "keep_last must be an integer >= 2, got 1; the previous checkpoint is the fallback"),
+        ({"keep_last": 2.5}, "keep_last must be an integer >= 2, got 2.5"),
+        ({"keep_last": True}, "keep_last must be an integer >= 2, got True"),
+        ({"every_n_train_steps": 0}, "every_n_train_steps must be an integer >= 1 or None, got 0"),
+        ({"every_n_minutes": -1}, "every_n_minutes must be a finite number > 0 or None, got -1"),
+        ({"every_n_minutes": float("nan")}, "every_n_minutes must be a finite number > 0 or None, got nan"),
+        ({"hang_timeout": -1}, "hang_timeout must be a finite number >= 0 or None, got -1; use None to derive"),
+        ({"hang_timeout": float("inf")}, "hang_timeout must be a finite number >= 0 or None, got inf"),
+        ({"nan_policy": "ignore"}, "nan_policy must be one of 'skip', 'rollback', 'raise', None, got 'ignore'"),
+        ({"signals": ["SIGNOPE"]}, "Unknown signal name 'SIGNOPE'"),
+        ({"signals": "SIGTERM"}, "signals must be a list of signal names"),
+        ({"signals": ["SIGKILL"]}, "SIGKILL cannot be caught by any process"),
+        ({"requeue": "no"}, "requeue must be True or False or None, got 'no'"),
+        ({"async_save": 1}, "async_save must be True or False, got 1"),
+        ({"max_rollbacks": -1}, "max_rollbacks must be an integer >= 0, got -1"),
+        ({"dirpath": ""}, "dirpath must be a folder path"),
     ],
 )
 def test_bad_arguments_fail_at_construction(tmp_path, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        FaultTolerantCheckpoint(dirpath=tmp_path, **kwargs)
+    with pytest.raises(ValueError) as excinfo:
+        FaultTolerantCheckpoint(**{"dirpath": tmp_path, **kwargs})
+    assert message in str(excinfo.value)
 
 
 def test_a_restarted_worker_gets_a_fresh_store(monkeypatch):

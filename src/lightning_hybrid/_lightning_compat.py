@@ -1,7 +1,9 @@
-"""The only place lightning-hybrid imports private Lightning names (checked on lightning 2.6.6).
+"""The only place lightning-hybrid touches private Lightning names (checked on lightning 2.6.6).
 
-Each is used exactly as Lightning's own strategies use it; a rename in a future release breaks here, once.
+Each is used exactly as Lightning's own code uses it; a rename in a future release breaks here, once.
 """
+
+from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
@@ -9,14 +11,14 @@ from lightning.fabric.utilities.distributed import (  # lightning 2.6.6
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.fabric.utilities.load import _METADATA_FILENAME  # lightning 2.6.6: "meta.pt"
-from lightning.fabric.utilities.seed import reset_seed  # public in spirit; re-seeds from PL_GLOBAL_SEED
+from lightning.fabric.utilities.seed import reset_seed  # re-seeds from PL_GLOBAL_SEED
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = [
-    "_METADATA_FILENAME",
+    "LastCheckpointLookup",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "dump_checkpoint",
@@ -26,18 +28,34 @@ __all__ = [
 ]
 
 
-def dump_checkpoint(trainer: "pl.Trainer") -> dict[str, Any]:
+class LastCheckpointLookup(ModelCheckpoint):
+    """A ``ModelCheckpoint`` that answers ``fit(ckpt_path="last")`` through :meth:`resolve_last`.
+
+    lightning 2.6.6 resolves "last" in ``_CheckpointConnector._parse_ckpt_path`` by calling the private
+    ``ModelCheckpoint._find_last_checkpoints(trainer)`` of every ``ModelCheckpoint`` callback and loading the
+    newest candidate (by modification time); there is no public hook for it.
+    """
+
+    def resolve_last(self, trainer: pl.Trainer) -> set[str]:
+        """Paths Lightning may load for ``ckpt_path="last"`` (ModelCheckpoint's own rule by default)."""
+        return super()._find_last_checkpoints(trainer)
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        return self.resolve_last(trainer)
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     """The full checkpoint dict ``trainer.save_checkpoint`` would write (lightning 2.6.6)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
-def train_dataloaders(trainer: "pl.Trainer") -> list[Any]:
+def train_dataloaders(trainer: pl.Trainer) -> list[Any]:
     """The fit loop's processed training dataloaders, as they will be iterated (lightning 2.6.6)."""
     combined = trainer.fit_loop._combined_loader
     return list(combined.flattened) if combined is not None else []
 
 
-def restart_train_iterator(trainer: "pl.Trainer") -> None:
+def restart_train_iterator(trainer: pl.Trainer) -> None:
     """Re-create the training iterator ``FitLoop.setup_data`` made (it prefetches one batch) (lightning 2.6.6)."""
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:

@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from train_gpt import make_strategy
 
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
-from lightning_hybrid.callbacks import _store as store
+from lightning_hybrid.callbacks._writer import CheckpointWriter
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision, LossScaleConfig
 from lightning_hybrid.strategies import HybridParallelStrategy
 from lightning_hybrid.utilities import consolidate_checkpoint
@@ -127,7 +127,7 @@ class NanGPT(GPT):
 
 def _kill_in_write(spec: dict[str, Any]) -> None:
     """Make the write of checkpoint ``step``'s first file stop half-way with SIGKILL (as a node loss would)."""
-    original = store.atomic_write
+    original = CheckpointWriter.write_file
 
     def atomic_write(path, write):
         if f"step-{spec['step']:09d}" in str(path):
@@ -144,19 +144,19 @@ def _kill_in_write(spec: dict[str, Any]) -> None:
             return original(path, half)
         return original(path, write)
 
-    store.atomic_write = atomic_write
+    CheckpointWriter.write_file = staticmethod(atomic_write)
 
 
 def _fail_write(spec: dict[str, Any]) -> None:
     """Make every file write of checkpoint ``step`` raise, as a full disk would."""
-    original = store.atomic_write
+    original = CheckpointWriter.write_file
 
     def atomic_write(path, write):
         if f"step-{spec['step']:09d}" in str(path):
             raise OSError(28, "No space left on device (injected)")
         return original(path, write)
 
-    store.atomic_write = atomic_write
+    CheckpointWriter.write_file = staticmethod(atomic_write)
 
 
 def main(cfg: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -100,6 +101,15 @@ class Watchdog:
         with self._lock:
             self._paused = max(0, self._paused - 1)
             self._last_beat = time.monotonic()
+
+    @contextlib.contextmanager
+    def paused(self) -> Generator[None, None, None]:
+        """Checkpoint I/O or a rollback inside: however long it takes, it is not a hung step."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def limit(self) -> float | None:
         if self.timeout is not None:

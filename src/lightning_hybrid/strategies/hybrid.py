@@ -11,7 +11,6 @@ from typing import Any, Literal, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -34,10 +33,17 @@ from typing_extensions import override
 
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import (
-    _METADATA_FILENAME,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     reset_seed,
+)
+from lightning_hybrid.checkpoint._sharded import (
+    LAYOUT_KEY,
+    read_meta,
+    read_sharded,
+    read_sharded_index,
+    split_checkpoint,
+    write_sharded,
 )
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._layout import (
@@ -558,8 +564,20 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        checkpoint["hybrid_layout"] = self.checkpoint_layout()
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options (it writes torch DCP)."
+            )
+        path = Path(self.broadcast(str(filepath)))  # one folder for every rank
+        if path.is_file():
+            raise FileExistsError(f"{path} is a file; a sharded checkpoint is a folder. Choose another path.")
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier("HybridParallelStrategy.save_checkpoint")
+        tensors, meta = split_checkpoint(checkpoint)
+        meta[LAYOUT_KEY] = self.checkpoint_layout()
+        write_sharded(path, tensors, meta if self.is_global_zero else None)
+        self.barrier("HybridParallelStrategy.save_checkpoint.done")
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout can load it)."""
@@ -574,7 +592,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Union[bool, None] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
+        # rank 0 resolves links (last.ckpt): every rank then reads the same folder, whatever its node caches
+        path = Path(self.broadcast(str(Path(checkpoint_path).resolve())))
         module = self.lightning_module
         assert module is not None
         if not (path / ".metadata").is_file():
@@ -582,7 +601,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 f"{path} is not a sharded checkpoint written by HybridParallelStrategy (no .metadata file); it may"
                 " be incomplete. Pass the checkpoint directory that `trainer.save_checkpoint` created."
             )
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = read_sharded_index(path).state_dict_metadata
 
         # the model: DCP reshards whatever layout wrote it into this rank's tensors (plain or DTensor)
         model_state = get_model_state_dict(module)
@@ -598,7 +617,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 if template:
                     optimizer_templates[idx] = template
                     to_load[f"optimizer_{idx}"] = template
-        dcp.load(to_load, checkpoint_id=path)
+        read_sharded(path, to_load)
 
         set_model_state_dict(module, to_load["state_dict"], options=StateDictOptions(strict=False))
         for idx, optimizer in enumerate(self.optimizers):
@@ -614,9 +633,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         for sharded in self._sharded.values():
             sharded.load_parameters_into_shards()
 
-        # tensors and plain values only (torch's default): loading a checkpoint never runs code
-        meta = torch.load(path / _METADATA_FILENAME, weights_only=True if weights_only is None else weights_only)
-        written = meta.get("hybrid_layout")
+        # tensors and plain values only: loading a checkpoint never runs code
+        meta = read_meta(path)
+        written = meta.get(LAYOUT_KEY)
         if written:
             rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.layout}")
         return meta

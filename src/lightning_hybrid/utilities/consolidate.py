@@ -1,10 +1,13 @@
-"""Turn a sharded (DCP) checkpoint directory into a plain ``state_dict`` for the unsplit LightningModule.
+"""Turn a sharded (DCP) checkpoint folder into a plain ``state_dict`` for the unsplit LightningModule.
 
 Usage::
 
     python -m lightning_hybrid.utilities.consolidate CHECKPOINT_DIR OUTPUT.ckpt
 
 writes a single-file Lightning checkpoint that ``YourModule.load_from_checkpoint(OUTPUT.ckpt)`` loads.
+Reading a checkpoint never runs code from it: the DCP index is read through an allow-list and every
+payload with ``weights_only=True``. A folder written by ``FaultTolerantCheckpoint`` is verified against
+its manifest (sizes and SHA-256) first.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_hybrid._lightning_compat import _METADATA_FILENAME
+from lightning_hybrid.checkpoint._format import MANIFEST, ManifestError, read_manifest, verify
+from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
+from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
 
 __all__ = ["consolidate_checkpoint", "main"]
 
@@ -26,12 +30,20 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
     """Read every shard of a checkpoint's model weights into one plain ``state_dict`` (CPU tensors).
 
     Works in a single process without a process group, whatever layout (pipeline stages, ZeRO stage,
-    world size) wrote the checkpoint. Parameter names are those of the unsplit module.
+    world size) wrote the checkpoint. Parameter names are those of the unsplit module. Raises
+    ``ValueError`` when a manifest exists and the files do not match it.
     """
-    path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: it has no .metadata file.")
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    path = Path(path).resolve()
+    if not (path / DCP_METADATA).is_file():
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: it has no {DCP_METADATA} file.")
+    if (path / MANIFEST).exists():
+        try:
+            problem = verify(path, read_manifest(path))
+        except ManifestError as exc:
+            problem = f"unreadable manifest: {exc}"
+        if problem:
+            raise ValueError(f"{path} fails verification: {problem}.")
+    metadata = read_sharded_index(path).state_dict_metadata
     template = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items()
@@ -39,14 +51,14 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
     }
     if not template:
         raise ValueError(f"{path} holds no tensors under {prefix!r}.")
-    dcp.load(template, checkpoint_id=path, no_dist=True)
+    read_sharded(path, template, no_dist=True)  # this process alone, whatever process group exists
     return {key[len(prefix) + 1 :]: value for key, value in template.items()}
 
 
 def _consolidated_lightning_checkpoint(path: Path) -> dict[str, Any]:
-    checkpoint = torch.load(path / _METADATA_FILENAME, weights_only=False)
+    checkpoint = read_meta(path)
     checkpoint["state_dict"] = consolidate_checkpoint(path)
-    checkpoint.pop("hybrid_layout", None)
+    checkpoint.pop(LAYOUT_KEY, None)
     return checkpoint
 
 
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m lightning_hybrid.utilities.consolidate",
         description="Convert a sharded lightning-hybrid checkpoint into a single-file Lightning checkpoint.",
     )
-    parser.add_argument("checkpoint", type=Path, help="the checkpoint directory (it holds .metadata)")
+    parser.add_argument("checkpoint", type=Path, help="the checkpoint folder (it holds .metadata)")
     parser.add_argument("output", type=Path, help="where to write the single-file checkpoint")
     args = parser.parse_args(argv)
     checkpoint = _consolidated_lightning_checkpoint(args.checkpoint)

@@ -1,0 +1,38 @@
+"""What one component of the pack needs of another, as small protocols.
+
+Components find each other through these instead of ``getattr`` with a default: a strategy or plugin
+that claims a capability must implement all of it, and a missing method fails at set-up with the class
+named, never as a silently skipped step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["PipelineLossScaling", "ShardedCheckpointing", "SkipsNonFiniteSteps"]
+
+
+@runtime_checkable
+class SkipsNonFiniteSteps(Protocol):
+    """A precision plugin that already skips optimizer steps with non-finite gradients, agreed on every rank."""
+
+    @property
+    def last_step_skipped(self) -> bool: ...
+
+
+@runtime_checkable
+class PipelineLossScaling(Protocol):
+    """A precision plugin that scales each pipeline micro-batch loss (the schedule runs backward itself)."""
+
+    def scale_pipeline_loss(self, loss: Tensor) -> Tensor: ...
+
+    def unscale_pipeline_loss(self, loss: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class ShardedCheckpointing(Protocol):
+    """A strategy whose checkpoints are sharded (torch DCP) folders that any layout can read."""
+
+    def checkpoint_layout(self) -> dict[str, Any]: ...

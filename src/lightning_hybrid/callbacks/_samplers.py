@@ -1,0 +1,92 @@
+"""Owning the training data order, so that a resume continues mid-epoch with exactly the unseen samples.
+
+Lightning's samplers cannot start part-way through an epoch, and under DDP it reshuffles from an RNG no
+checkpoint holds. The callback swaps each training loader's sampler for a :class:`ResumableSampler` that
+yields the same order (``DistributedSampler``'s, seeded by seed + epoch) and records the position in the
+epoch's global order after every batch.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
+
+from lightning_hybrid._lightning_compat import restart_train_iterator, train_dataloaders
+from lightning_hybrid.callbacks._resume import ResumableSampler
+
+__all__ = ["SamplerOwner"]
+
+
+class SamplerOwner:
+    """Swaps the training samplers for resumable ones and tracks the data position (epoch, consumed)."""
+
+    def __init__(self) -> None:
+        self.samplers: list[tuple[ResumableSampler, int]] = []
+        self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
+        self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
+
+    def own(self, trainer: pl.Trainer) -> None:
+        """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
+        self.samplers = []
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        loaders = train_dataloaders(trainer)
+        for loader in loaders:
+            batch_sampler = getattr(loader, "batch_sampler", None)
+            if not (isinstance(loader, DataLoader) and type(batch_sampler) is BatchSampler):
+                rank_zero_warn(
+                    "FaultTolerantCheckpoint: a training loader with a custom batch sampler (or no DataLoader) keeps"
+                    " its own order; mid-epoch resume restarts its epoch unless it implements state_dict()."
+                )
+                continue
+            sampler = _resumable(batch_sampler.sampler, seed)
+            if sampler is None:
+                rank_zero_warn(
+                    f"FaultTolerantCheckpoint: unknown sampler {type(batch_sampler.sampler).__name__}; not resumable."
+                )
+                continue
+            batch_sampler.sampler = sampler
+            # iterator creation would draw worker seeds from the global RNG: give the loader its own stream
+            loader.generator = torch.Generator().manual_seed(seed)
+            sampler.set_epoch(trainer.current_epoch)
+            if self.resume_at is not None:
+                sampler.resume_at(self.resume_at["epoch"], self.resume_at["consumed"])
+            self.samplers.append((sampler, batch_sampler.batch_size))
+        self.resume_at = None
+        if self.samplers and len(self.samplers) == len(loaders):
+            # Lightning warns that a mid-epoch resume without a stateful loader is unreliable: not with ours
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        if self.samplers:
+            # the fit loop already prefetched a batch with the old sampler: start over with ours
+            restart_train_iterator(trainer)
+
+    def track(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        if not self.samplers:
+            return
+        sampler, batch_size = self.samplers[0]
+        self.position = {
+            "epoch": trainer.current_epoch,
+            "consumed": (batch_idx + 1) * batch_size * sampler.num_replicas,
+        }
+
+
+def _resumable(source: Any, seed: int) -> ResumableSampler | None:
+    if isinstance(source, ResumableSampler):
+        return source
+    if isinstance(source, DistributedSampler):
+        return ResumableSampler(
+            len(source.dataset),  # type: ignore[arg-type]
+            num_replicas=source.num_replicas,
+            rank=source.rank,
+            shuffle=source.shuffle,
+            seed=source.seed,
+            drop_last=source.drop_last,
+        )
+    if isinstance(source, (RandomSampler, SequentialSampler)):
+        return ResumableSampler(len(source.data_source), shuffle=isinstance(source, RandomSampler), seed=seed)  # type: ignore[arg-type]
+    return None

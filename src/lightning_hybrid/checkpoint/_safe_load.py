@@ -1,0 +1,162 @@
+"""Reading checkpoint files without running code from them.
+
+A checkpoint directory is data, never code: whoever can write to it must not be able to make a resume
+execute anything. Three places in a load would unpickle arbitrary objects, and each is closed here:
+
+- torch DCP's ``.metadata`` is read with plain ``pickle``: :class:`SafeFileSystemReader` reads it with an
+  allow-list unpickler (DCP's own metadata classes, ``torch.Size``, dtypes, layouts, paths); anything
+  else is refused, naming the class. It also refuses a ``.metadata`` that points at files outside its
+  directory.
+- DCP loads non-tensor values (optimizer hyperparameters) with ``torch.load(weights_only=False)``:
+  :class:`SafeLoadPlanner` checks each with ``weights_only=True`` first.
+- Lightning's single-file and ``meta.pt`` payloads are read with ``torch.load(weights_only=True)``
+  (:func:`load_payload`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+__all__ = [
+    "UnsafeCheckpointError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "dcp_data_files",
+    "load_payload",
+    "read_dcp_metadata",
+]
+
+DCP_METADATA = ".metadata"
+
+# What torch 2.13's DCP writes into `.metadata` (checked by a test that saves every kind of state the pack
+# writes and reads it back through this list).
+_ALLOWED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # maps a layout's name to torch.strided & co.
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice", "complex"}),
+}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file asked to build an object outside the allow-list (it could run code)."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # dtypes pickle as a global lookup: torch.float32
+        raise UnsafeCheckpointError(
+            f"refusing to load {module}.{name}: a checkpoint's metadata may only hold torch DCP's own metadata"
+            " classes and plain values (the file was not written by torch DCP, or was modified)"
+        )
+
+
+def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
+    """The ``.metadata`` of the DCP checkpoint directory ``path``, read with the allow-list unpickler."""
+    with open(Path(path) / DCP_METADATA, "rb") as f:
+        metadata = _AllowListUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{Path(path) / DCP_METADATA} holds a {type(metadata).__name__}, not DCP Metadata")
+    dcp_data_files(metadata, where=Path(path))  # refuses references outside the directory
+    return metadata
+
+
+def dcp_data_files(metadata: Metadata, *, where: Path | None = None) -> set[str]:
+    """The data files a DCP load may read, as plain names inside the checkpoint directory."""
+    names = set()
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _plain_name(name):
+            raise UnsafeCheckpointError(
+                f"{where or 'the checkpoint'}: .metadata refers to {name!r}, which is not a file name inside the"
+                " checkpoint directory"
+            )
+        names.add(name)
+    return names
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is read with :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise ValueError("per-rank DCP metadata files are not used by lightning-hybrid checkpoints")
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that never unpickles more than ``torch.load(weights_only=True)`` accepts."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, weights_only=True)  # raises on any global outside torch's safe set
+        except pickle.UnpicklingError as exc:
+            why = str(exc).split("WeightsUnpickler error: ")[-1].split(". Please use")[0]
+            raise UnsafeCheckpointError(f"refusing to load {read_item.dest_index.fqn}: {why}") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)  # the same bytes, now known to be plain values
+
+
+def load_payload(path: str | os.PathLike, *, mmap: bool = False) -> Any:
+    """A ``torch.save`` file of tensors and plain values (``weights_only=True``: never runs code)."""
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def unsafe_byte_items(folder: str | os.PathLike, metadata: Metadata, files: set[str]) -> str | None:
+    """Why a non-tensor value stored in ``files`` would not load with ``weights_only=True``, or ``None``.
+
+    A verification runs this before any loader sees the checkpoint, so a loader that unpickles DCP's byte
+    items freely (Lightning's own ``ModelParallelStrategy``) never meets one that could run code.
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder = Path(folder)
+    for index, info in (metadata.storage_data or {}).items():
+        if info.relative_path not in files:
+            continue
+        if getattr(info, "transform_descriptors", None):
+            return f"{info.relative_path}: stream transforms {info.transform_descriptors} (never written by this pack)"
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            value = io.BytesIO(f.read(info.length))
+        try:
+            torch.load(value, weights_only=True)
+        except Exception as exc:
+            return f"{info.relative_path}: the value of {index.fqn} is not plain data ({type(exc).__name__})"
+    return None

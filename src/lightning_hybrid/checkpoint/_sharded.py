@@ -1,0 +1,98 @@
+"""Sharded (torch DCP) checkpoints: how a Lightning checkpoint is split, written and read back.
+
+Tensors of the model and the optimizers go through DCP (each rank writes its own part; any layout reads
+it back, resharding); everything else (loops, callbacks, schedulers, hyperparameters, the layout record)
+goes into ``meta.pt``, written by global rank 0. The split is the one Lightning's ``ModelParallelStrategy``
+uses, so either can read what the other wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_hybrid.checkpoint._files import FileEntry, atomic_write, dcp_writer
+from lightning_hybrid.checkpoint._format import META_FILE
+from lightning_hybrid.checkpoint._safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    load_payload,
+    read_dcp_metadata,
+)
+
+__all__ = ["LAYOUT_KEY", "read_meta", "read_sharded", "read_sharded_index", "split_checkpoint", "write_sharded"]
+
+LAYOUT_KEY = "hybrid_layout"  # meta.pt: the layout a sharded checkpoint was written with (informational)
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors for DCP, the rest for meta.pt)`` of a Lightning checkpoint dict (the dict is consumed)."""
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    for idx, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        tensors[f"optimizer_{idx}"] = optimizer_state
+    return tensors, checkpoint
+
+
+def write_sharded(
+    path: str | os.PathLike,
+    tensors: dict[str, Any],
+    meta: dict[str, Any] | None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    write_file: Callable[[Path, Callable[[Any], Any]], FileEntry] = atomic_write,
+) -> dict[str, FileEntry]:
+    """Write this rank's part of a sharded checkpoint into the existing folder ``path`` (every rank calls it;
+    ``meta`` is written by whoever passes it: global rank 0). Returns the files this rank wrote."""
+    path = Path(path)
+    writer, fs = dcp_writer(path)
+    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    files = dict(fs.written)
+    if meta is not None:
+        files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
+    return files
+
+
+def read_sharded_index(path: str | os.PathLike) -> Metadata:
+    """The DCP index of a sharded checkpoint (read without running code)."""
+    return read_dcp_metadata(path)
+
+
+def read_sharded(
+    path: str | os.PathLike,
+    tensors: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool | None = None,
+) -> None:
+    """Fill ``tensors`` (shaped as this rank holds them) from a sharded checkpoint, in place.
+
+    Every rank of ``process_group`` calls it, unless ``no_dist`` (one process reads everything itself;
+    the default when there is no process group)."""
+    try:
+        dcp.load(
+            tensors,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=not dist.is_initialized() if no_dist is None else no_dist,
+        )
+    except CheckpointException as exc:
+        # DCP wraps each rank's failure; a refused value is the message that matters
+        failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
+        unsafe = [e for e in failures if isinstance(e, UnsafeCheckpointError)]
+        if unsafe:
+            raise unsafe[0] from None
+        raise
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    return load_payload(Path(path) / META_FILE)
