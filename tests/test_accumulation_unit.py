@@ -36,6 +36,14 @@ def test_lookup_switch_rule_and_ramps():
         ({"schedule": {0: 2}, "ramp": Ramp(start=1, end=2, length=5)}, "exactly one"),
         ({"ramp": Ramp(start=1, end=4, length=5), "lr_scaling": "cubic"}, "lr_scaling"),
         ({"unit": "adaptive", "min_k": 1}, "needs min_k >= 2"),
+        ({"unit": "adaptive", "schedule": {0: 1}}, r"K must stay in \[min_k, max_k\] = \[2, 64\]"),
+        ({"unit": "adaptive", "schedule": {0: 2, 10: 128}}, r"\{10: 128\} is outside"),
+        ({"unit": "adaptive", "schedule": {5: 4}}, r"\{0: 1\} is outside"),
+        ({"schedule": {}}, "must not be empty"),
+        ({"schedule": [1, 2]}, "schedule must be a mapping"),
+        ({"schedule": {0: 2}, "min_k": 4, "max_k": 2}, "max_k must be an integer >= 4, got 2"),
+        ({"schedule": {0: 2}, "adapt_every": 0.5}, "adapt_every must be an integer >= 1, got 0.5"),
+        ({"schedule": {0: 2}, "noise_ema": 1.5}, r"noise_ema must be in \[0, 1\)"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, message):

@@ -152,10 +152,15 @@ def test_the_allow_list_reads_every_index_the_pack_writes(tmp_path):
     }
     folder = _sharded_checkpoint(tmp_path, 1, state).path
     assert verify(folder, read_manifest(folder)) is None
-    assert read_dcp_metadata(folder).state_dict_metadata.keys() == dcp.FileSystemReader(folder).read_metadata().state_dict_metadata.keys()
+    assert (
+        read_dcp_metadata(folder).state_dict_metadata.keys()
+        == dcp.FileSystemReader(folder).read_metadata().state_dict_metadata.keys()
+    )
     target = {
         "state_dict": {k: torch.zeros_like(v) for k, v in state["state_dict"].items()},
-        "optimizer_0": {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state["optimizer_0"].items()},
+        "optimizer_0": {
+            k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state["optimizer_0"].items()
+        },
     }
     read_sharded(folder, target)
     for section in state:

@@ -93,11 +93,46 @@ def test_nonfinite_loss_skips_without_touching_the_scale_and_state_round_trips()
         ({"init_scale": 2.0**30}, "must lie in"),
         ({"growth_factor": 0.5}, "growth_factor must be > 1"),
         ({"min_headroom": 2.0**12, "max_headroom": 2.0**10}, "min_headroom < max_headroom"),
+        ({"growth_interval": 2.5}, "growth_interval must be an integer >= 1, got 2.5"),
+        ({"init_scale": float("nan")}, "init_scale must be a finite number > 0, got nan"),
+        ({"hysteresis": 0}, "hysteresis must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LossScaleConfig(**kwargs)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"log_every_n_steps": -1}, "log_every_n_steps must be an integer >= 1 or None, got -1"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps must be an integer >= 1 or None, got 0"),
+        ({"policy": "blind"}, "policy must be one of 'adaptive', 'dynamic', 'hysteresis', got 'blind'"),
+        ({"precision": "16"}, "precision must be one of '16-mixed', 'bf16-mixed', got '16'"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips must be an integer >= 1, got 0"),
+        ({"config": {"init_scal": 2.0}}, "config has unknown key(s) ['init_scal']"),
+        ({"config": [2.0]}, "config must be a LossScaleConfig or a mapping of its fields"),
+        ({"config": {"init_scale": 1000.0}}, "init_scale must be a power of two"),
+    ],
+)
+def test_bad_plugin_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError) as excinfo:
+        AdaptiveLossScalingPrecision(**kwargs)
+    assert message in str(excinfo.value)
+
+
+@pytest.mark.unit
+def test_config_as_the_mapping_lightningcli_gives():
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser()
+    parser.add_class_arguments(AdaptiveLossScalingPrecision, "plugin")
+    cfg = parser.parse_string("plugin: {policy: hysteresis, config: {init_scale: 1024.0, hysteresis: 3}}")
+    plugin = parser.instantiate_classes(cfg).plugin
+    assert plugin.loss_scale == 1024.0 and plugin.scaler_state.config.hysteresis == 3
+    assert AdaptiveLossScalingPrecision(config={"init_scale": 256.0}).loss_scale == 256.0
 
 
 def _fit(plugin, steps: int = 12, lr_warmup: int = 0) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:

@@ -10,7 +10,11 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         hang: the rank sleeps for an hour at the start of the batch after step k
         kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
         fail_write: every file write of checkpoint k raises OSError on that rank
+        slow_write: every file write of checkpoint k on that rank first sleeps {"seconds": s}
         inf: one gradient element of that rank is set to inf in the window of step k+1
+        signal_in_validation: send SIGTERM at validation batch {"batch": b} (sanity check included)
+        slow_validation: every validation batch sleeps {"seconds": s}
+        progress: every rank writes its global step to out/progress<R> after each batch (for outside kills)
     plugin: AdaptiveLossScalingPrecision kwargs ("config": LossScaleConfig kwargs)
     accumulation: AccumulationScheduler kwargs
     weights: where rank 0 writes the final consolidated state_dict
@@ -44,7 +48,8 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _armed(spec: dict[str, Any] | None) -> bool:
-    return bool(spec) and spec.get("rank", 0) == rank() and spec.get("attempt", 0) == ATTEMPT
+    """Whether an injection applies to this rank (``"rank": -1``: every rank) in this attempt."""
+    return bool(spec) and spec.get("rank", 0) in (rank(), -1) and spec.get("attempt", 0) == ATTEMPT
 
 
 class Injector(Callback):
@@ -52,6 +57,8 @@ class Injector(Callback):
 
     def __init__(self, inject: dict[str, Any]) -> None:
         self.inject = inject
+        self.validation_batches = 0
+        self.validation_signalled_at: int | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -68,7 +75,27 @@ class Injector(Callback):
             grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
             grad.view(-1)[0] = float("inf")
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # what was loaded (the pointer moves on as this run saves)
+        self.resumed = str(Path(trainer.ckpt_path).resolve()) if trainer.ckpt_path else "-"
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        slow = self.inject.get("slow_validation")
+        if slow:
+            time.sleep(slow["seconds"])
+        sig = self.inject.get("signal_in_validation")
+        if _armed(sig) and batch_idx == sig["batch"] and trainer.global_step == sig.get("step", trainer.global_step):
+            self.validation_signalled_at = batch_idx
+            os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.validation_batches += 1
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if "progress" in self.inject:
+            path = Path(self.inject["progress"]) / f"progress{rank()}"
+            path.with_suffix(".tmp").write_text(json.dumps([trainer.global_step, os.getpid(), self.resumed]))
+            path.with_suffix(".tmp").replace(path)
         kill = self.inject.get("kill")
         if _armed(kill) and trainer.global_step == kill["step"]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -159,12 +186,28 @@ def _fail_write(spec: dict[str, Any]) -> None:
     CheckpointWriter.write_file = staticmethod(atomic_write)
 
 
+def _slow_write(spec: dict[str, Any]) -> None:
+    """Make every file write of checkpoint ``step`` take ``seconds`` longer (a slow or congested filesystem)."""
+    original = CheckpointWriter.write_file
+
+    def atomic_write(path, write):
+        if f"step-{spec['step']:09d}" in str(path):
+            if "marker" in spec:
+                Path(spec["marker"]).touch()  # tells the test the write has begun
+            time.sleep(spec["seconds"])
+        return original(path, write)
+
+    CheckpointWriter.write_file = staticmethod(atomic_write)
+
+
 def main(cfg: dict[str, Any]) -> None:
     inject = cfg.get("inject", {})
     if _armed(inject.get("kill_in_write")):
         _kill_in_write(inject["kill_in_write"])
     if _armed(inject.get("fail_write")):
         _fail_write(inject["fail_write"])
+    if _armed(inject.get("slow_write")):
+        _slow_write(inject["slow_write"])
     L.seed_everything(cfg.get("seed", 0), workers=True)
     model_cfg = {"vocab_size": 64, "n_layer": 2, "d_model": 32, "n_head": 2, "block_size": 16, **cfg.get("model", {})}
     NanGPT.nan_spec = inject.get("nan")
@@ -181,6 +224,7 @@ def main(cfg: dict[str, Any]) -> None:
         kwargs["config"] = LossScaleConfig(**kwargs.get("config", {}))
         plugins.append(AdaptiveLossScalingPrecision(**kwargs))
     recorder = Recorder()
+    injector = Injector(inject)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
@@ -189,7 +233,7 @@ def main(cfg: dict[str, Any]) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Injector(inject), ft, recorder, *extra],
+        callbacks=[injector, ft, recorder, *extra],
         plugins=plugins,
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
@@ -201,6 +245,8 @@ def main(cfg: dict[str, Any]) -> None:
         report["exit_code"] = exc.code
         report["steps"] = recorder.steps
         report["global_step"] = trainer.global_step
+        report["validation_batches"] = injector.validation_batches
+        report["validation_signalled_at"] = injector.validation_signalled_at
         write_report(cfg["out"], report)
         raise
     report.update(
@@ -213,6 +259,7 @@ def main(cfg: dict[str, Any]) -> None:
             "plugin": trainer.precision_plugin.state_dict() if plugins else None,
             "accumulation": extra[0].state_dict() if extra else None,
             "resumed_from": ft.resumed_from,
+            "validation_batches": injector.validation_batches,
         }
     )
     if cfg.get("weights") and isinstance(trainer.strategy, HybridParallelStrategy):

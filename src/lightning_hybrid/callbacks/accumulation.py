@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree
+from lightning_hybrid._validate import check_choice, check_int, check_number
 from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
 
 __all__ = ["AccumulationScheduler"]
@@ -59,23 +60,39 @@ class AccumulationScheduler(Callback):
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         noise_ema: Union[float, None] = 0.95,
     ) -> None:
-        if unit not in ("step", "epoch", "samples", "adaptive"):
-            raise ValueError(f"unit must be 'step', 'epoch', 'samples' or 'adaptive', got {unit!r}.")
-        if lr_scaling not in ("none", "linear", "sqrt"):
-            raise ValueError(f"lr_scaling must be 'none', 'linear' or 'sqrt', got {lr_scaling!r}.")
+        check_choice("unit", unit, ("step", "epoch", "samples", "adaptive"))
+        check_choice("lr_scaling", lr_scaling, ("none", "linear", "sqrt"))
+        if ramp is not None and not isinstance(ramp, Ramp):
+            raise ValueError(f"ramp must be a Ramp(start, end, length, ...), got {ramp!r}.")
         if (schedule is None) == (ramp is None) and unit != "adaptive":
             raise ValueError("give exactly one of schedule= or ramp= (or unit='adaptive').")
-        if not 1 <= min_k <= max_k:
-            raise ValueError(f"need 1 <= min_k <= max_k, got {min_k}, {max_k}.")
+        check_int("min_k", min_k, minimum=1)
+        check_int("max_k", max_k, minimum=min_k, fix=f"max_k bounds K from above and min_k is {min_k}")
         if unit == "adaptive" and min_k < 2:
             raise ValueError(
                 f"unit='adaptive' needs min_k >= 2 (got {min_k}): the noise scale is measured from one micro-batch"
                 " against the window, so a window must hold at least two."
             )
-        if adapt_every < 1:
-            raise ValueError(f"adapt_every must be >= 1, got {adapt_every}.")
+        check_int("adapt_every", adapt_every, minimum=1)
+        check_number("noise_ema", noise_ema, minimum=0.0, optional=True)
+        if noise_ema is not None and not noise_ema < 1:
+            raise ValueError(f"noise_ema must be in [0, 1) or None, got {noise_ema!r}.")
+        if schedule is not None and not isinstance(schedule, dict):
+            raise ValueError(f"schedule must be a mapping {{position: K}}, e.g. {{0: 1, 1000: 4}}, got {schedule!r}.")
+        resolved = validate_schedule(
+            ramp.schedule() if ramp is not None else schedule if schedule is not None else {0: min_k}
+        )
+        if unit == "adaptive":
+            starts = {0: 1, **resolved}  # K is 1 before the first key
+            outside = {pos: k for pos, k in starts.items() if not min_k <= k <= max_k}
+            if outside:
+                raise ValueError(
+                    f"unit='adaptive' starts from schedule {resolved}, but K must stay in [min_k, max_k] ="
+                    f" [{min_k}, {max_k}] (the noise scale needs K >= 2 to be measured); {outside} is outside."
+                    " Leave schedule unset to start at min_k."
+                )
         self.unit = unit
-        self.schedule = validate_schedule(ramp.schedule() if ramp is not None else schedule or {0: min_k})
+        self.schedule = resolved
         self.min_k, self.max_k, self.adapt_every = min_k, max_k, adapt_every
         self.lr_scaling = lr_scaling
         self.noise = NoiseScale(beta=noise_ema)

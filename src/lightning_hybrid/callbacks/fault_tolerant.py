@@ -178,6 +178,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         self._preempting = False
         self._resume_rng: dict[str, Any] | None = None
         self._rank = 0
+        self._fresh_start: StepFolder | None = None  # the initial state saved when nothing was valid
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -275,7 +276,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
                 f"FaultTolerantCheckpoint: no valid checkpoint under {self._root}; starting fresh from the"
                 " initial weights (saved as step 0)."
             )
-            self._save(trainer, 0, background=False)
+            self._fresh_start = self._save(trainer, 0, background=False)
         trainer.strategy.barrier("FaultTolerantCheckpoint.agree_on_resume")
 
     def _point_last(self, folder: StepFolder) -> None:
@@ -317,6 +318,9 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             raise RuntimeError(f"Refusing to resume from {folder.path}: {why}.")
         self._verified.add(folder.path)
         self._complete_step = max(self._complete_step, folder.step)
+        self.resumed_from = str(path)
+        if self._fresh_start is not None and folder.path == self._fresh_start.path:
+            return  # the initial state this run just wrote: RNG and data start as in any fresh run
         rank_path = folder.path / rank_file(trainer.global_rank)
         if rank_path.is_file():
             state = load_payload(rank_path)
@@ -327,7 +331,6 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
                 f"FaultTolerantCheckpoint: {folder.path} was written by fewer ranks; ranks beyond those start"
                 " fresh RNG streams (the data position is restored on every rank)."
             )
-        self.resumed_from = str(path)
         rank_zero_info(f"FaultTolerantCheckpoint: resuming from {folder.path}")
 
     # ---------------------------------------------------------------------------------- training start

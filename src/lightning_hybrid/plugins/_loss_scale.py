@@ -21,6 +21,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from lightning_hybrid._validate import check_int, check_number
+
 __all__ = ["FP16_MAX", "LossScaleConfig", "LossScaleState", "LossScaler", "Policy", "StepDecision"]
 
 FP16_MAX = 65504.0
@@ -44,8 +46,8 @@ class LossScaleConfig:
 
     def __post_init__(self) -> None:
         for name in ("init_scale", "min_scale", "max_scale", "growth_factor", "backoff_factor"):
-            value = getattr(self, name)
-            if value <= 0 or not math.log2(value).is_integer():
+            value = check_number(name, getattr(self, name), minimum=0, inclusive=False)
+            if not math.log2(value).is_integer():
                 raise ValueError(f"{name} must be a power of two, got {value}.")
         if not self.min_scale <= self.init_scale <= self.max_scale:
             raise ValueError(
@@ -56,8 +58,13 @@ class LossScaleConfig:
             raise ValueError(
                 f"growth_factor must be > 1 and backoff_factor < 1, got {self.growth_factor}, {self.backoff_factor}."
             )
-        if self.growth_interval < 1 or self.hysteresis < 1 or self.adapt_interval < 1:
-            raise ValueError("growth_interval, hysteresis and adapt_interval must be >= 1.")
+        for name in ("growth_interval", "hysteresis", "adapt_interval"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_number("min_headroom", self.min_headroom, minimum=1)
+        check_number(
+            "max_headroom", self.max_headroom, minimum=self.min_headroom, inclusive=False,
+            fix="the adaptive band needs min_headroom < max_headroom",
+        )  # fmt: skip
         if not 1 <= self.min_headroom < self.max_headroom:
             raise ValueError(f"need 1 <= min_headroom < max_headroom, got {self.min_headroom}, {self.max_headroom}.")
 

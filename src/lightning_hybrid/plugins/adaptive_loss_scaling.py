@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, Union
 
@@ -19,6 +20,7 @@ from typing_extensions import override
 
 from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._skip import skip_schedulers_when
+from lightning_hybrid._validate import check_choice, check_int
 from lightning_hybrid.plugins._clipping import MeshAwareClippingMixin
 from lightning_hybrid.plugins._loss_scale import LossScaleConfig, LossScaler, Policy
 
@@ -62,18 +64,20 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         *,
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
         policy: Policy = "adaptive",
-        config: Union[LossScaleConfig, None] = None,
+        config: Union[LossScaleConfig, Mapping[str, Any], None] = None,
         max_consecutive_skips: int = 20,
         on_floor: Literal["raise", "warn"] = "raise",
         log_every_n_steps: Union[int, None] = None,
         device: Union[str, None] = None,
     ) -> None:
-        if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(f"precision must be '16-mixed' or 'bf16-mixed', got {precision!r}.")
-        if on_floor not in ("raise", "warn"):
-            raise ValueError(f"on_floor must be 'raise' or 'warn', got {on_floor!r}.")
-        if max_consecutive_skips < 1:
-            raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}.")
+        check_choice("precision", precision, ("16-mixed", "bf16-mixed"))
+        check_choice("policy", policy, ("adaptive", "dynamic", "hysteresis"))
+        check_choice("on_floor", on_floor, ("raise", "warn"))
+        check_int("max_consecutive_skips", max_consecutive_skips, minimum=1)
+        check_int("log_every_n_steps", log_every_n_steps, minimum=1, optional=True, fix="None follows the Trainer")
+        if device is not None and not isinstance(device, str):
+            raise ValueError(f"device must be a device type such as 'cuda' or 'cpu', or None, got {device!r}.")
+        config = _as_config(config)
         self.precision = precision
         self.scaler_state = LossScaler(policy, config)
         if precision == "bf16-mixed":
@@ -237,6 +241,19 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         # a checkpoint written with Lightning's MixedPrecision stores the GradScaler under its class name
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
+
+
+def _as_config(config: Any) -> Union[LossScaleConfig, None]:
+    """``config`` as a LossScaleConfig: LightningCLI hands a YAML mapping over as a plain dict."""
+    if config is None or isinstance(config, LossScaleConfig):
+        return config
+    if isinstance(config, Mapping):
+        known = {f.name for f in dataclasses.fields(LossScaleConfig)}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"config has unknown key(s) {unknown}; LossScaleConfig takes {sorted(known)}.")
+        return LossScaleConfig(**config)
+    raise ValueError(f"config must be a LossScaleConfig or a mapping of its fields, got {config!r}.")
 
 
 def _inf_and_absmax(grads: list[Tensor]) -> tuple[float, float]:
