@@ -118,7 +118,8 @@ def test_twenty_relaunches_with_random_faults_end_with_the_uninterrupted_weights
         assert outcome["sent_at"] is not None, f"launch {attempt} ended before step {at}"
         resumed = outcome["progress"][victim][2]
         history.append((attempt, action, victim, at, outcome["sent_at"], Path(resumed).parent.name))
-        where = f"launch {attempt} ({action} rank {victim} at step {at}); before: {sorted(valid_before.items())}; history {history}"
+        before = sorted(valid_before.items())
+        where = f"launch {attempt} ({action} rank {victim} at step {at}); before: {before}; history {history}"
         # the resume point is the newest checkpoint that was valid when the launch started
         if newest_valid >= 0:
             assert resumed != "-", f"started fresh although valid checkpoints existed: {where}"

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_hybrid.callbacks._writer import snapshot
-from lightning_hybrid.checkpoint import _files, _format, _safe_load, _store
+from lightning_hybrid.checkpoint import _files, _store
 from lightning_hybrid.checkpoint._files import AtomicFileSystem, atomic_write, dcp_writer, sha256_file
 from lightning_hybrid.checkpoint._format import ManifestError, manifest_payload, parse_manifest, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import UnsafeCheckpointError, read_dcp_metadata
@@ -91,7 +91,7 @@ def test_a_crafted_dcp_index_is_refused_and_runs_nothing(tmp_path):
     assert marker.exists()
     marker.unlink()
 
-    with pytest.raises(UnsafeCheckpointError, match="refusing to load pathlib.Path.touch"):
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to load pathlib\.Path\.touch"):
         read_dcp_metadata(folder)
     problem = verify(folder, read_manifest(folder))
     assert problem is not None and "not a valid torch DCP index" in problem and "Path.touch" in problem
@@ -114,7 +114,7 @@ def test_a_crafted_non_tensor_value_in_a_dcp_data_file_is_refused_and_runs_nothi
     assert marker.exists()
     marker.unlink()
 
-    with pytest.raises(UnsafeCheckpointError, match="optimizer_0.param_groups.w.lr"):
+    with pytest.raises(UnsafeCheckpointError, match=r"optimizer_0\.param_groups\.w\.lr"):
         read_sharded(folder, {"state_dict": {"w": torch.zeros(2)}, "optimizer_0": {"param_groups.w.lr": None}})
     problem = verify(folder, read_manifest(folder))
     assert problem is not None and "param_groups.w.lr is not plain data" in problem
@@ -256,7 +256,7 @@ def test_every_file_is_on_disk_with_its_final_size_before_it_gets_its_real_name(
     fsynced: dict[int, int] = {}  # inode -> size at its last fsync
     synced_dirs: list[str] = []
     renamed: list[tuple[str, int, int]] = []  # (final name, size, size at last fsync)
-    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+    real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
         info = os.fstat(fd)
