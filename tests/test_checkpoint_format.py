@@ -438,3 +438,47 @@ def test_async_staging_copies_tensors_and_keeps_every_container_type():
     assert isinstance(copy["pair"], Pair) and torch.equal(copy["pair"].a, torch.arange(4.0))
     assert copy["pair"].b[1]["k"] is copy["pair"].a is copy["same"]  # shared tensors stay shared
     assert copy["set"] == {1, 2}
+
+
+# ------------------------------------------------------------------------------ flat-range shards (ZeRO)
+
+
+def _flat_shard(t: torch.Tensor, lo: int, hi: int):
+    import math
+
+    from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_boxes, flat_index
+
+    flat = t.reshape(-1)
+    boxes = []
+    for offsets, sizes in flat_boxes(t.shape, lo, hi):
+        begin = flat_index(t.shape, offsets)
+        boxes.append((tuple(offsets), flat[begin : begin + math.prod(sizes)].view(sizes)))
+    return FlatShard(t.shape, t.dtype, boxes)
+
+
+def test_flat_range_shards_save_under_the_full_shape_and_read_back_any_other_range(tmp_path):
+    weights, moments = torch.randn(5, 7), torch.randn(5, 7)
+    # one writer's boxes tile the flat range [0, 35) in two pieces, as two ZeRO ranks would
+    state = {
+        "state_dict": {"w": _flat_shard(weights, 0, 35)},
+        "optimizer_0": {
+            "state.w.exp_avg": _flat_shard(moments, 0, 13),
+            "state.w.exp_avg_x": _flat_shard(moments, 13, 35),
+        },
+    }
+    state["optimizer_0"]["state.w.exp_avg"].boxes += state["optimizer_0"].pop("state.w.exp_avg_x").boxes
+    write_sharded(tmp_path, state, None)
+    index = read_dcp_metadata(tmp_path).state_dict_metadata
+    assert index["optimizer_0.state.w.exp_avg"].size == torch.Size([5, 7])  # the unsplit shape
+    # a plain tensor (another layout) reads it whole; a flat shard of other boundaries reads only its range
+    whole = {"state_dict": {"w": torch.zeros(5, 7)}, "optimizer_0": {"state.w.exp_avg": torch.zeros(5, 7)}}
+    read_sharded(tmp_path, whole)
+    assert torch.equal(whole["state_dict"]["w"], weights) and torch.equal(
+        whole["optimizer_0"]["state.w.exp_avg"], moments
+    )
+    target = torch.zeros(5, 7)
+    part = {"optimizer_0": {"state.w.exp_avg": _flat_shard(target, 9, 23)}}
+    read_sharded(tmp_path, part)
+    assert torch.equal(target.reshape(-1)[9:23], moments.reshape(-1)[9:23])
+    assert not target.reshape(-1)[:9].any() and not target.reshape(-1)[23:].any()
+    assert part["optimizer_0"]["state.w.exp_avg"].boxes  # the caller's value survives DCP's set-up

@@ -183,6 +183,7 @@ def test_async_save_resumes_exactly_and_a_failed_background_write_is_never_marke
     assert result.rank(0)["attempt"] == 1
     assert "step-000000004 failed and is not marked complete" in result.output
     assert "No space left on device (injected)" in result.output
+    assert not (Path(cfg["ft"]["dirpath"]) / "step-000000004").exists()  # removed at once, not at the next start
     # step 8 was still being completed (one batch after its write starts) when rank 0 died at step 9
     assert result.rank(0)["resumed_from"].endswith("step-000000006/checkpoint.pt")
     assert _max_diff(reference["weights"], Path(cfg["weights"])) == 0.0

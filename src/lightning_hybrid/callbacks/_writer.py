@@ -28,7 +28,6 @@ from lightning_hybrid.checkpoint._files import FileEntry, atomic_write
 from lightning_hybrid.checkpoint._format import CHECKPOINT_FILE, MANIFEST, Kind, manifest_payload, rank_file
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.checkpoint._store import StepFolder, new_step_folder, remove_step_folder
-from lightning_hybrid.strategies._zero import sharded_to_cpu
 
 __all__ = ["CheckpointWriter", "load_target", "snapshot"]
 
@@ -194,7 +193,8 @@ def _saver(obj: Any) -> Callable[[Any], None]:
 
 def snapshot(obj: Any) -> Any:
     """A copy of ``obj`` that training cannot change: tensors copied to CPU memory, every other object as
-    ``copy.deepcopy`` copies it (defaultdicts, namedtuples, dataclasses keep their types)."""
+    ``copy.deepcopy`` copies it (defaultdicts, namedtuples, dataclasses keep their types; a ZeRO
+    ``FlatShard`` copies its boxes to CPU memory)."""
     memo: dict[int, Any] = {}
     _stage_tensors(obj, memo, set())
     return copy.deepcopy(obj, memo)
@@ -207,9 +207,6 @@ def _stage_tensors(obj: Any, memo: dict[int, Any], seen: set[int]) -> None:
     seen.add(id(obj))
     if isinstance(obj, Tensor):
         memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return
-    if type(obj).__name__ == "ShardedTensor":  # ZeRO-1/2 state: views of this rank's slice
-        memo[id(obj)] = sharded_to_cpu(obj)
         return
     if isinstance(obj, Mapping):
         for value in obj.values():

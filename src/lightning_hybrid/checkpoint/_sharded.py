@@ -20,10 +20,10 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_hybrid.checkpoint._files import FileEntry, atomic_write, dcp_writer
+from lightning_hybrid.checkpoint._flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
 from lightning_hybrid.checkpoint._format import META_FILE
 from lightning_hybrid.checkpoint._safe_load import (
     SafeFileSystemReader,
-    SafeLoadPlanner,
     UnsafeCheckpointError,
     load_payload,
     read_dcp_metadata,
@@ -54,7 +54,13 @@ def write_sharded(
     ``meta`` is written by whoever passes it: global rank 0). Returns the files this rank wrote."""
     path = Path(path)
     writer, fs = dcp_writer(path)
-    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    dcp.save(
+        tensors,
+        storage_writer=writer,
+        planner=FlatShardSavePlanner(),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
     files = dict(fs.written)
     if meta is not None:
         files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
@@ -81,7 +87,7 @@ def read_sharded(
         dcp.load(
             tensors,
             storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(),
+            planner=FlatShardLoadPlanner(),
             process_group=process_group,
             no_dist=not dist.is_initialized() if no_dist is None else no_dist,
         )

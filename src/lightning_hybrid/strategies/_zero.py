@@ -10,9 +10,9 @@ This is exact only for element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagr
 that takes per-tensor norms (LAMB, Adafactor) would see a shard instead of a tensor.
 
 Checkpoints keep the layout-free, name-keyed form (one entry per parameter, of the parameter's shape), but
-each rank contributes only its slice: a rank's flat range of a parameter is cut into boxes (``flat_boxes``,
-each contiguous, so each is a view) and handed to torch DCP as a ``ShardedTensor``. Saving gathers nothing;
-loading into any other layout reads, on each rank, only the boxes it owns there.
+each rank contributes only its slice: a rank's flat range of a parameter is cut into boxes (each contiguous,
+so each is a view) and handed to torch DCP as a :class:`FlatShard`. Saving gathers nothing; loading into
+any other layout reads, on each rank, only the boxes it owns there.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.optim import Optimizer
 
-__all__ = ["FlatShardedOptimizer", "flat_boxes", "sharded_to_cpu"]
+from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_boxes, flat_index
+
+__all__ = ["FlatShardedOptimizer"]
 
 
 @dataclass
@@ -138,9 +138,6 @@ class FlatShardedOptimizer:
                     g.flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
                     p.data = g.flat[off : off + p.numel()].view_as(p)
 
-    def grad_tensors(self) -> list[Tensor]:
-        return [g.shard.grad for g in self.groups if g.shard.grad is not None]
-
     # --------------------------------------------------------------------------- layout-free state dict
 
     @torch.no_grad()
@@ -150,9 +147,9 @@ class FlatShardedOptimizer:
         flatten_optimizer_state_dict=True)`` gives for unsharded and FSDP optimizers, so a checkpoint does
         not depend on the ZeRO stage it was written with.
 
-        A per-element state (Adam's moments) of a parameter is a ``ShardedTensor`` of the parameter's shape
-        whose local shards are views of this rank's slice: no communication, no copy, and DCP writes each
-        rank's part from that rank (and reshards it into any other layout on load)."""
+        A per-element state (Adam's moments) of a parameter is a :class:`FlatShard` of the parameter's shape
+        whose boxes are views of this rank's slice: no communication, no copy, and DCP writes each rank's
+        part from that rank (and reshards it into any other layout on load)."""
         out: dict[str, Any] = {}
         for pg, g in zip(self.optimizer.param_groups, self.groups):
             state = self.optimizer.state.get(g.shard, {})
@@ -170,19 +167,19 @@ class FlatShardedOptimizer:
                         out[f"param_groups.{name}.{key}"] = value
         return out
 
-    def parameter_state_dict(self) -> dict[str, ShardedTensor]:
-        """The parameters, as ShardedTensors whose local parts are views of this rank's slice: the replicas
-        then write (and stage for a background save) a disjoint part each instead of all of it."""
-        out: dict[str, ShardedTensor] = {}
+    def parameter_state_dict(self) -> dict[str, FlatShard]:
+        """The parameters, as FlatShards whose boxes are views of this rank's slice: the replicas then write
+        (and stage for a background save) a disjoint part each instead of all of it."""
+        out: dict[str, FlatShard] = {}
         for g in self.groups:
             local = g.flat[self._shard_slice(g)]
             for p, name, off in zip(g.params, g.names, g.offsets):
                 out[name] = self._sharded_view(g, p, off, local.detach())
         return out
 
-    def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype) -> Tensor | None:
-        """An empty ShardedTensor for the per-element state of parameter ``name`` (this rank's part only),
-        or None if ``shape`` is not the parameter's (then the value is not per-element)."""
+    def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype) -> FlatShard | None:
+        """An empty FlatShard for the per-element state of parameter ``name`` (this rank's part only), or
+        None if ``shape`` is not the parameter's (then the value is not per-element)."""
         if name not in self._where:
             return None
         g, p, off = self._where[name]
@@ -194,7 +191,7 @@ class FlatShardedOptimizer:
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
         """Inverse of :meth:`flat_state_dict`; each rank keeps its own slice (no communication). Values may be
-        this rank's ``ShardedTensor`` parts (see :meth:`state_template`) or full tensors."""
+        this rank's :class:`FlatShard` parts (see :meth:`state_template`) or full tensors."""
         for pg, g in zip(self.optimizer.param_groups, self.groups):
             first = g.names[0]
             prefix = f"param_groups.{first}."
@@ -205,7 +202,7 @@ class FlatShardedOptimizer:
             state: dict[str, Any] = {}
             for key in state_keys:
                 value = flat[f"state.{first}.{key}"]
-                if isinstance(value, ShardedTensor) or (
+                if isinstance(value, FlatShard) or (
                     isinstance(value, Tensor) and value.shape == g.params[0].shape and value.dim() > 0
                 ):
                     state[key] = self._local_slice(g, [flat[f"state.{name}.{key}"] for name in g.names])
@@ -219,84 +216,23 @@ class FlatShardedOptimizer:
         out = torch.zeros(g.shard_numel, dtype=dtype, device=g.shard.device)
         base = self.rank * g.shard_numel
         for value, p, off in zip(values, g.params, g.offsets):
-            if isinstance(value, ShardedTensor):
-                for shard in value.local_shards():
-                    begin = off + _flat_index(p.shape, shard.metadata.shard_offsets) - base
-                    out[begin : begin + shard.tensor.numel()].copy_(shard.tensor.reshape(-1))
+            if isinstance(value, FlatShard):
+                for offsets, box in value.boxes:
+                    begin = off + flat_index(p.shape, offsets) - base
+                    out[begin : begin + box.numel()].copy_(box.reshape(-1))
                 continue
             lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
             if lo < hi:
                 out[lo - base : hi - base].copy_(value.reshape(-1)[lo - off : hi - off])
         return out
 
-    def _sharded_view(self, g: _FlatGroup, p: Tensor, off: int, local: Tensor) -> ShardedTensor:
-        """Parameter ``p``'s elements (``off`` in the group's flat buffer) of a flat per-element state, as a
-        ShardedTensor of ``p``'s shape: each rank's slice is cut into boxes (DCP's chunks are boxes), the
-        local ones are views of ``local`` (this rank's slice)."""
-        metadata, shards = [], []
+    def _sharded_view(self, g: _FlatGroup, p: Tensor, off: int, local: Tensor) -> FlatShard:
+        """Parameter ``p``'s elements (``off`` in the group's flat buffer) of this rank's slice ``local`` of a
+        flat per-element state, as a FlatShard of ``p``'s shape (boxes are views of ``local``)."""
         base = self.rank * g.shard_numel
-        for r in range(self.world):
-            lo, hi = max(off, r * g.shard_numel), min(off + p.numel(), (r + 1) * g.shard_numel)
-            for offsets, sizes in flat_boxes(p.shape, lo - off, hi - off):
-                # placements name global ranks (ShardedTensor checks they belong to the group)
-                md = ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(self.group, r)}/{local.device}")
-                metadata.append(md)
-                if r == self.rank:
-                    begin = off + _flat_index(p.shape, offsets) - base
-                    shards.append(Shard(local[begin : begin + math.prod(sizes)].view(sizes), md))
-        properties = TensorProperties(dtype=local.dtype)
-        global_md = ShardedTensorMetadata(metadata, torch.Size(p.shape), properties)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_md, process_group=self.group)
-
-
-def flat_boxes(shape: tuple[int, ...] | torch.Size, start: int, stop: int) -> list[tuple[list[int], list[int]]]:
-    """Cut the row-major flat range ``[start, stop)`` of a tensor of ``shape`` into boxes ``(offsets, sizes)``.
-
-    Every box is contiguous in the flat order (``sizes`` is ``[1, ..., 1, m, full, ..., full]``), in order,
-    and there are at most ``2 * ndim - 1`` of them.
-    """
-    shape = list(shape)
-    if start >= stop:
-        return []
-    if len(shape) <= 1:
-        return [([start], [stop - start])]
-    inner = math.prod(shape[1:])
-    r0, r1 = start // inner, (stop - 1) // inner
-    if r0 == r1:
-        return [([r0, *o], [1, *z]) for o, z in flat_boxes(shape[1:], start - r0 * inner, stop - r0 * inner)]
-    boxes: list[tuple[list[int], list[int]]] = []
-    first_full = r0
-    if start % inner:
-        boxes += [([r0, *o], [1, *z]) for o, z in flat_boxes(shape[1:], start - r0 * inner, inner)]
-        first_full = r0 + 1
-    end_full = r1 + 1 if stop % inner == 0 else r1
-    if end_full > first_full:
-        boxes.append(([first_full] + [0] * (len(shape) - 1), [end_full - first_full, *shape[1:]]))
-    if stop % inner:
-        boxes += [([r1, *o], [1, *z]) for o, z in flat_boxes(shape[1:], 0, stop - r1 * inner)]
-    return boxes
-
-
-def _flat_index(shape: tuple[int, ...] | torch.Size, offsets: list[int]) -> int:
-    index, stride = 0, 1
-    for size, o in zip(reversed(list(shape)), reversed(list(offsets))):
-        index += o * stride
-        stride *= size
-    return index
-
-
-def sharded_to_cpu(value: ShardedTensor) -> ShardedTensor:
-    """A CPU copy of a ShardedTensor's local shards with the same global layout (for a background save)."""
-    shards = []
-    metadata = []
-    for md in value.metadata().shards_metadata:
-        placement = str(md.placement).split("/")[0]
-        metadata.append(ShardMetadata(md.shard_offsets, md.shard_sizes, f"{placement}/cpu"))
-    by_offsets = {tuple(md.shard_offsets): md for md in metadata}
-    for shard in value.local_shards():
-        md = by_offsets[tuple(shard.metadata.shard_offsets)]
-        shards.append(Shard(shard.tensor.detach().to("cpu", copy=True), md))
-    global_md = ShardedTensorMetadata(metadata, value.size(), value.metadata().tensor_properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, global_md, process_group=value._process_group
-    )
+        lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
+        boxes = []
+        for offsets, sizes in flat_boxes(p.shape, lo - off, hi - off):
+            begin = off + flat_index(p.shape, offsets) - base
+            boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
+        return FlatShard(torch.Size(p.shape), local.dtype, boxes)
