@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import launch
 
+from lightning_hybrid.checkpoint._flat_shards import flat_boxes
 from lightning_hybrid.strategies import HybridParallelStrategy
 from lightning_hybrid.strategies._layout import PipelineSplit, partition_layers, resolve_layout
-from lightning_hybrid.checkpoint._flat_shards import flat_boxes
 
 EXPECTED = {
     "sizes": "pipeline_parallel_size (3) must divide the world size (2)",

@@ -7,22 +7,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.distributed import (  # lightning 2.6.6
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.seed import reset_seed  # re-seeds from PL_GLOBAL_SEED
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
 
 __all__ = [
     "LastCheckpointLookup",
-    "_get_default_process_group_backend_for_device",
-    "_init_dist_connection",
+    "attach_device_mesh",
     "dump_checkpoint",
-    "reset_seed",
+    "hooks_before_optimizer_step",
+    "init_processes",
     "restart_train_iterator",
     "train_dataloaders",
 ]
@@ -60,3 +59,20 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+def init_processes(strategy: ModelParallelStrategy) -> None:
+    """Device set-up, seeding and the default process group, as ``ModelParallelStrategy.setup_environment`` does
+    them before it builds its own (data, tensor) mesh (lightning 2.6.6: ``_setup_distributed``)."""
+    strategy._setup_distributed()
+
+
+def attach_device_mesh(module: pl.LightningModule, mesh: DeviceMesh) -> None:
+    """Make ``mesh`` what ``LightningModule.device_mesh`` returns in ``configure_model`` (lightning 2.6.6)."""
+    module._device_mesh = mesh
+
+
+def hooks_before_optimizer_step(plugin: Precision, model: pl.LightningModule, optimizer: Optimizer) -> None:
+    """What a precision plugin runs between the closure and ``optimizer.step()``: the
+    ``on_before_optimizer_step`` hooks and gradient clipping (lightning 2.6.6: ``Precision._after_closure``)."""
+    plugin._after_closure(model, optimizer)

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["PipelineLossScaling", "ShardedCheckpointing", "SkipsNonFiniteSteps"]
+__all__ = ["PipelineLossScaling", "ReportsGradientLayout", "ShardedCheckpointing", "SkipsNonFiniteSteps"]
 
 
 @runtime_checkable
@@ -36,3 +36,12 @@ class ShardedCheckpointing(Protocol):
     """A strategy whose checkpoints are sharded (torch DCP) folders that any layout can read."""
 
     def checkpoint_layout(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ReportsGradientLayout(Protocol):
+    """A strategy that says how its gradients are laid out when the optimizer steps (for the noise scale)."""
+
+    def gradient_layout(self) -> tuple[int, bool]:
+        """(ranks holding each gradient element, whether every backward already averaged over replicas)."""
+        ...

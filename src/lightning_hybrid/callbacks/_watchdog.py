@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from datetime import timedelta
 
-import torch.distributed as dist
+from lightning_hybrid._torch_compat import default_store
 
 __all__ = ["HANG_EXIT_CODE", "Watchdog"]
 
@@ -65,7 +65,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._store = _default_store()
+        self._store = default_store()
 
     def start(self) -> None:
         self._last_beat = time.monotonic()
@@ -180,14 +180,3 @@ def _describe(progress: int) -> str:
         return "not started"
     step, inside = divmod(progress, 2)
     return f"inside step {step + 1}" if inside else f"finished step {step}"
-
-
-def _default_store() -> dist.Store | None:
-    # torch keeps the rendezvous store of the default group privately; without it the report lacks peer steps
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except Exception:
-        return None

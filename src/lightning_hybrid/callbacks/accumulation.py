@@ -8,11 +8,14 @@ from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree
+from lightning_hybrid._protocols import ReportsGradientLayout
 from lightning_hybrid._validate import check_choice, check_int, check_number
 from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
 
@@ -236,8 +239,10 @@ class AccumulationScheduler(Callback):
 
 def _replicas(trainer: pl.Trainer) -> int:
     """Data-parallel ranks (a pipeline's stages see the same samples; single-device strategies have none)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1))
+    strategy = trainer.strategy
+    return (
+        int(strategy.distributed_sampler_kwargs.get("num_replicas", 1)) if isinstance(strategy, ParallelStrategy) else 1
+    )
 
 
 def _batch_size(batch: Any) -> int:
@@ -251,19 +256,22 @@ def _gradient_layout(trainer: pl.Trainer) -> tuple[int, bool]:
     """How many ranks hold each gradient element the optimizer steps with, and whether every backward
     already averaged the gradients over the data-parallel replicas (ZeRO-3 / FSDP reduce-scatter each time).
 
-    DDP and ZeRO-0 replicate the gradients and synchronise only when a window closes; ZeRO-1/2 step on
-    disjoint shards; ZeRO-3 also reduce-scatters after each backward.
+    DDP replicates the gradients and synchronises only when a window closes; FSDP (Lightning's
+    ``FSDPStrategy`` and ``ModelParallelStrategy``) reduce-scatters after every backward; the pack's
+    strategies say it themselves.
     """
-    stage = getattr(getattr(trainer.strategy, "layout", None), "zero_stage", 0)
-    if stage == 0:
-        return _replicas(trainer), False
-    return 1, stage >= 3
+    strategy = trainer.strategy
+    if isinstance(strategy, ReportsGradientLayout):
+        return strategy.gradient_layout()
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return 1, True
+    return _replicas(trainer), False
 
 
 def _sq_norm(grads: Iterable[Tensor]) -> float:
     total = 0.0
     for g in grads:
-        local = g.to_local() if hasattr(g, "to_local") else g  # a DTensor's own shard
+        local = g.to_local() if isinstance(g, DTensor) else g  # a DTensor's own shard
         total += float(local.detach().float().pow(2).sum())
     return total
 

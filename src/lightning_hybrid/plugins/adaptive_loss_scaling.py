@@ -19,7 +19,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree, distributed_ready
+from lightning_hybrid._lightning_compat import hooks_before_optimizer_step
 from lightning_hybrid._skip import skip_schedulers_when
+from lightning_hybrid._torch_compat import mul_
 from lightning_hybrid._validate import check_choice, check_int
 from lightning_hybrid.plugins._clipping import MeshAwareClippingMixin
 from lightning_hybrid.plugins._loss_scale import LossScaleConfig, LossScaler, Policy
@@ -56,8 +58,6 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
 
         trainer = Trainer(plugins=[AdaptiveLossScalingPrecision(policy="adaptive")], strategy="ddp")
     """
-
-    skips_nonfinite_steps = True  # other components (FaultTolerantCheckpoint) leave overflowing steps to it
 
     def __init__(
         self,
@@ -159,7 +159,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
         if self._scaling and grads:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)  # a power of two: exact
+            mul_(grads, 1.0 / self.loss_scale)  # a power of two: exact
         found_inf, absmax = _inf_and_absmax(grads)
         loss_bad = 0.0 if self._loss_finite is None else float(not bool(self._loss_finite))
         self._loss_finite = None
@@ -177,7 +177,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
             for p in params:
                 p.grad = None  # the optimizer leaves parameters without gradients (and their state) alone
             return closure_result
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks and clipping, unscaled
+        hooks_before_optimizer_step(self, model, optimizer)  # the hooks and clipping see unscaled gradients
         return optimizer.step(**kwargs)
 
     def _at_floor(self, model: pl.LightningModule, params: list[Tensor], reason: str) -> None:

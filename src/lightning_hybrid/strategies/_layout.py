@@ -12,6 +12,7 @@ from typing import Literal, Union
 
 __all__ = [
     "SCHEDULES",
+    "check_choices",
     "Layout",
     "PipelineSplit",
     "ScheduleName",
@@ -100,6 +101,14 @@ class Layout:
         return self.pipeline_parallel_size * self.data_parallel_size
 
 
+def check_choices(*, schedule: object, zero_stage: object) -> None:
+    """The checks that need no world size (the strategy's constructor runs them on every rank)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"Unknown schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)}.")
+    if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+
+
 def resolve_layout(
     *,
     world_size: int,
@@ -116,10 +125,7 @@ def resolve_layout(
     ``"auto"`` pipeline size means one stage per node (data-parallel ranks stay inside a node); ``"auto"``
     data-parallel size takes whatever the pipeline leaves of the world.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown schedule {schedule!r}. Choose one of: {', '.join(SCHEDULES)}.")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
+    check_choices(schedule=schedule, zero_stage=zero_stage)
     spec = SCHEDULES[schedule]
 
     pp, dp = pipeline_parallel_size, data_parallel_size

@@ -25,7 +25,7 @@ from lightning_hybrid.strategies._layout import (
     stage_ids_on_rank,
 )
 
-__all__ = ["PipelineStageModule", "block_items", "build_schedule", "check_pipeline_contract", "split_module"]
+__all__ = ["PipelineStageModule", "build_schedule", "check_pipeline_contract", "split_module"]
 
 
 class PipelineStageModule(nn.Module):
@@ -73,10 +73,6 @@ def check_pipeline_contract(module: nn.Module) -> None:
         )
 
 
-def block_items(layers: nn.Module) -> list[tuple[str, nn.Module]]:
-    return list(layers.named_children())
-
-
 def split_module(
     module: nn.Module,
     *,
@@ -89,7 +85,7 @@ def split_module(
 
     Returns the local stage indices, their stage modules, and the block ranges of all stages.
     """
-    items = block_items(module.layers)
+    items = list(module.layers.named_children())
     costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for _, block in items]
     ranges = partition_layers(costs, layout.num_stages, split)
     stage_ids = stage_ids_on_rank(pp_rank, layout)

@@ -54,8 +54,7 @@ class FlatShardedOptimizer:
     def __init__(
         self, optimizer: Optimizer, *, names: dict[Tensor, str], group: dist.ProcessGroup, zero_stage: int
     ) -> None:
-        if zero_stage not in (1, 2):
-            raise ValueError(f"FlatShardedOptimizer implements zero_stage 1 and 2, got {zero_stage}")
+        assert zero_stage in (1, 2), zero_stage  # the layout validated it
         if optimizer.state:
             raise RuntimeError("the optimizer already has state; shard it before the first step")
         self.optimizer = optimizer

@@ -1,0 +1,166 @@
+"""Gradient synchronisation inside each stage's data-parallel group: one object per ZeRO stage.
+
+The strategy picks one in ``setup`` (:func:`gradient_sync`) and calls it at fixed points of every
+optimizer step:
+
+1. ``reduce(optimizer)``: after the accumulation window's last backward, before the precision plugin's
+   hooks and clipping see the gradients;
+2. ``grad_norm(grads)``: the L2 norm of the whole model's gradient (all stages, all shards), the same on
+   every rank, for clipping;
+3. ``after_step(optimizer)``: after the optimizer stepped.
+
+ZeRO-0 all-reduces a flat copy of the gradients; ZeRO-1/2 reduce into each rank's flat shard and gather
+the updated parameters back (:class:`FlatShardedOptimizer`); ZeRO-3 has nothing to do (FSDP2 reduce-
+scattered every backward and gathers parameters when they are used).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_hybrid.strategies._zero import FlatShardedOptimizer
+
+__all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "ShardedOptimizerGradients", "gradient_sync"]
+
+
+class GradientSync:
+    """ZeRO-3 (and the shared part): gradients need no reduction after backward."""
+
+    zero_stage = 3
+    averaged_every_backward = True  # FSDP reduce-scatters after each backward, accumulation included
+
+    def __init__(
+        self, *, device: torch.device, data_parallel_group: dist.ProcessGroup, pipeline_group: dist.ProcessGroup
+    ) -> None:
+        self.device = device
+        self.data_parallel_group, self.pipeline_group = data_parallel_group, pipeline_group
+        self.data_parallel_size = dist.get_world_size(data_parallel_group)
+
+    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        """Take charge of the optimizers (before their first step)."""
+
+    def reduce(self, optimizer: Optimizer) -> None:
+        pass
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        pass
+
+    @property
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        return None  # disjoint shards (and stages): the squares add up over the whole world
+
+    def grad_norm(self, grads: Iterable[Tensor]) -> Tensor:
+        """L2 norm of the whole model's gradient; identical on every rank (one all-reduce)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            total += local.detach().float().pow(2).sum()
+        dist.all_reduce(total, group=self._norm_group)
+        return total.sqrt()
+
+    def gradient_holders(self) -> int:
+        """How many ranks hold each gradient element the optimizer steps with."""
+        return 1
+
+    # sharded checkpoints: ZeRO-1/2 replace parameters and optimizer state by this rank's flat slices
+    def sharded_optimizer(self, optimizer: Optimizer) -> FlatShardedOptimizer | None:
+        return None
+
+    def parameter_shards(self) -> dict[str, Any]:
+        return {}
+
+
+class ReplicatedGradients(GradientSync):
+    """ZeRO-0: every replica holds the whole stage; gradients are averaged with one flat all-reduce."""
+
+    zero_stage = 0
+    averaged_every_backward = False  # synchronised once per window, when it closes
+
+    @torch.no_grad()
+    def reduce(self, optimizer: Optimizer) -> None:
+        dp = self.data_parallel_size
+        if dp == 1:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat.div_(dp)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    @property
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        return self.pipeline_group  # replicas hold the same gradients: add the stages only
+
+    def gradient_holders(self) -> int:
+        return self.data_parallel_size
+
+
+class ShardedOptimizerGradients(GradientSync):
+    """ZeRO-1/2: each rank's optimizer steps its flat shard; see :class:`FlatShardedOptimizer`."""
+
+    averaged_every_backward = False
+
+    def __init__(self, *, zero_stage: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.zero_stage = zero_stage
+        self._sharded: dict[int, FlatShardedOptimizer] = {}
+
+    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        group, stage = self.data_parallel_group, self.zero_stage
+        self._sharded = {
+            id(opt): FlatShardedOptimizer(opt, names=names, group=group, zero_stage=stage) for opt in optimizers
+        }
+
+    def reduce(self, optimizer: Optimizer) -> None:
+        self._sharded[id(optimizer)].reduce_gradients()
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        self._sharded[id(optimizer)].gather_parameters()
+
+    def sharded_optimizer(self, optimizer: Optimizer) -> FlatShardedOptimizer | None:
+        return self._sharded.get(id(optimizer))
+
+    def parameter_shards(self) -> dict[str, Any]:
+        shards: dict[str, Any] = {}
+        for sharded in self._sharded.values():
+            shards.update(sharded.parameter_state_dict())
+        return shards
+
+    def reload_parameters(self) -> None:
+        for sharded in self._sharded.values():
+            sharded.load_parameters_into_shards()
+
+
+class FullyShardedGradients(GradientSync):
+    """ZeRO-3 (FSDP2): parameters, gradients and optimizer state are DTensors sharded over the group."""
+
+
+def gradient_sync(
+    zero_stage: int, *, device: torch.device, data_parallel_group: dist.ProcessGroup, pipeline_group: dist.ProcessGroup
+) -> GradientSync:
+    """The gradient synchronisation for ``zero_stage`` (validated by the layout)."""
+    kwargs: dict[str, Any] = {
+        "device": device,
+        "data_parallel_group": data_parallel_group,
+        "pipeline_group": pipeline_group,
+    }
+    if zero_stage == 0:
+        return ReplicatedGradients(**kwargs)
+    if zero_stage in (1, 2):
+        return ShardedOptimizerGradients(zero_stage=zero_stage, **kwargs)
+    return FullyShardedGradients(**kwargs)
+
+
+def named_parameters(module: nn.Module) -> dict[Tensor, str]:
+    return {p: n for n, p in module.named_parameters()}

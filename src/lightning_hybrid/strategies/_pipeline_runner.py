@@ -1,0 +1,151 @@
+"""Running a pipeline schedule inside Lightning's training and evaluation steps.
+
+Lightning's automatic optimisation runs ``training_step`` -> ``zero_grad`` -> ``backward``. A pipeline
+schedule runs forward *and* backward inside ``training_step``, so the runner sets the previous gradients
+aside before the schedule and hands the new ones back in ``backward`` (divided by the accumulation count,
+as Lightning's own backward would), after that ``zero_grad``.
+
+The loss exists on the last stage only: one all-reduce gives every rank the step's mean loss (fp32:
+a bf16 value broadcast into an fp32 buffer arrives as 0.0 over gloo), averaged over the data-parallel
+replicas, so the progress bar, loggers and callbacks see the true loss on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_hybrid._protocols import PipelineLossScaling
+from lightning_hybrid.strategies._layout import SCHEDULES, Layout
+from lightning_hybrid.strategies._pipeline import build_schedule
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """One rank's view of the pipeline: its stages, the schedule, and the hand-over around ``zero_grad``.
+
+    Args:
+        module: the (already cut) LightningModule: ``pipeline_loss`` and optional ``pipeline_batch``.
+        layout: the job's layout.
+        stage_ids, stage_modules: this rank's stages, in schedule order.
+        device, group: where the stages run and the pipeline's process group.
+        loss_scaling: the precision plugin's per-micro-batch loss scaling (fp16), or ``None``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        layout: Layout,
+        stage_ids: list[int],
+        stage_modules: list[nn.Module],
+        device: torch.device,
+        group: dist.ProcessGroup,
+        loss_scaling: PipelineLossScaling | None,
+    ) -> None:
+        self.module, self.layout, self.device, self.group = module, layout, device, group
+        self.stage_ids, self.stage_modules = stage_ids, stage_modules
+        self.loss_scaling = loss_scaling
+        self.holds_last_stage = (layout.num_stages - 1) in stage_ids
+        self.schedule = build_schedule(
+            layout=layout,
+            stage_ids=stage_ids,
+            stage_modules=stage_modules,
+            device=device,
+            group=group,
+            loss_fn=self._loss,
+        )
+        self._pending: list[Tensor | None] | None = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for stage in self.stage_modules for p in stage.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def _loss(self, output: Any, target: Tensor) -> Tensor:
+        loss = self.module.pipeline_loss(output, target)
+        return self.loss_scaling.scale_pipeline_loss(loss) if self.loss_scaling is not None else loss
+
+    def split_batch(self, batch: Any) -> tuple[Any, Tensor]:
+        fn = getattr(self.module, "pipeline_batch", None)  # optional in the contract: the default is positional
+        inputs, target = fn(batch) if callable(fn) else (batch[0], batch[1])
+        size = inputs.shape[0] if isinstance(inputs, Tensor) else inputs[0].shape[0]
+        m = self.layout.num_microbatches
+        if size % m:
+            raise ValueError(
+                f"The per-replica batch size ({size}) must be divisible by num_microbatches ({m}): pipeline"
+                " micro-batches must be equal. Change the DataLoader's batch_size, num_microbatches, or use"
+                " drop_last=True."
+            )
+        return inputs, target
+
+    def run(self, batch: Any, *, train: bool) -> tuple[Tensor, Any, Tensor]:
+        """One pipelined step: (mean loss on every rank, the last stage's output or None, target)."""
+        inputs, target = self.split_batch(batch)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        losses: list[Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        output = run(*args, target=target, losses=losses)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.holds_last_stage and losses:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
+            if self.loss_scaling is not None:
+                loss = self.loss_scaling.unscale_pipeline_loss(loss)
+        dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
+        loss = loss / self.layout.data_parallel_size
+        return loss, output if self.holds_last_stage else None, target
+
+    def train_step(self, batch: Any) -> Tensor:
+        """Run forward and backward of a step; its gradients wait in the runner until :meth:`backward`."""
+        params = self.parameters()
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        loss, _, _ = self.run(batch, train=True)
+        self._pending = [p.grad for p in params]
+        for p, g in zip(params, previous):
+            p.grad = g
+        return loss
+
+    @torch.no_grad()
+    def backward(self, divisor: int) -> None:
+        """Add the step's gradients (of ``loss / divisor``, as Lightning's backward would) to ``.grad``."""
+        assert self._pending is not None, "backward() without a train_step()"
+        for p, new in zip(self.parameters(), self._pending):
+            if new is None:
+                continue
+            if divisor != 1:
+                new = new / divisor
+            p.grad = new if p.grad is None else p.grad + new
+        self._pending = None
+
+    def reset(self) -> None:
+        self._pending = None
+
+    # ------------------------------------------------------------------------------------ evaluation
+
+    def last_stage_output_everywhere(self, output: Any) -> Tensor:
+        """The last stage's output on every pipeline rank (metrics update, and sync, everywhere)."""
+        src = (self.layout.num_stages - 1) % self.layout.pipeline_parallel_size
+        if SCHEDULES[self.layout.schedule].style == "v":
+            src = 0
+        obj = [None if output is None else output.detach().cpu()]
+        dist.broadcast_object_list(obj, group=self.group, group_src=src)
+        return obj[0].to(self.device)
+
+    def eval_step(self, batch: Any, batch_idx: int, *, user_hook: Callable[..., Any] | None) -> tuple[Tensor, Any]:
+        """Evaluate one batch: (mean loss, ``user_hook(output, target, batch_idx)`` when the module has it)."""
+        loss, output, target = self.run(batch, train=False)
+        if user_hook is None:
+            return loss, None
+        return loss, user_hook(self.last_stage_output_everywhere(output), target, batch_idx)
+
+    def predict(self, batch: Any) -> Tensor:
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        output = self.schedule.eval(inputs)
+        return self.last_stage_output_everywhere(output if self.holds_last_stage else None)
