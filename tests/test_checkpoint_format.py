@@ -41,12 +41,16 @@ class _Marker:
         return (Path.touch, (self.path,))
 
 
-def _file_checkpoint(root: Path, step: int, payload: bytes = b"x" * 1000) -> StepFolder:
+RANK_STATE = {"rng": {"torch": torch.zeros(3, dtype=torch.uint8)}, "data": {"epoch": 0, "consumed": 0}, "rank": 0}
+
+
+def _file_checkpoint(root: Path, step: int) -> StepFolder:
     """A complete single-file checkpoint folder of one rank, as the callback writes it."""
     folder = new_step_folder(root, step)
+    payload = {"state_dict": {"w": torch.arange(250.0)}, "global_step": step}
     files = {
-        "checkpoint.pt": atomic_write(folder.path / "checkpoint.pt", lambda f: f.write(payload)),
-        "rank-00000.pt": atomic_write(folder.path / "rank-00000.pt", lambda f: f.write(payload[:10])),
+        "checkpoint.pt": atomic_write(folder.path / "checkpoint.pt", lambda f: torch.save(payload, f)),
+        "rank-00000.pt": atomic_write(folder.path / "rank-00000.pt", lambda f: torch.save(RANK_STATE, f)),
     }
     body = manifest_payload(step=step, kind="file", world_size=1, files=files, info={})
     atomic_write(folder.path / "manifest.json", lambda f: f.write(body))
@@ -57,7 +61,7 @@ def _sharded_checkpoint(root: Path, step: int, state: dict | None = None) -> Ste
     folder = new_step_folder(root, step)
     tensors = state or {"state_dict": {"w": torch.arange(12.0).view(3, 4)}, "optimizer_0": {"param_groups.w.lr": 0.1}}
     files = write_sharded(folder.path, tensors, {"epoch": 0, "loops": {}})
-    files["rank-00000.pt"] = atomic_write(folder.path / "rank-00000.pt", lambda f: torch.save({"rng": 1}, f))
+    files["rank-00000.pt"] = atomic_write(folder.path / "rank-00000.pt", lambda f: torch.save(RANK_STATE, f))
     body = manifest_payload(step=step, kind="sharded", world_size=1, files=files, info={"layout": None})
     atomic_write(folder.path / "manifest.json", lambda f: f.write(body))
     return folder
@@ -169,16 +173,51 @@ def test_the_allow_list_reads_every_index_the_pack_writes(tmp_path):
             assert torch.equal(got, value) if torch.is_tensor(value) else got == value
 
 
-def test_an_index_pointing_outside_its_folder_is_refused(tmp_path):
+@pytest.mark.parametrize("where", ["../../elsewhere.distcp", "/etc/passwd", "meta.pt", ".metadata", "rank-00000.pt"])
+def test_an_index_pointing_outside_the_data_files_is_refused(tmp_path, where):
+    """A value "stored" in meta.pt, .metadata or a rank file would dodge the checks made on data files."""
     folder = _sharded_checkpoint(tmp_path, 3).path
     metadata = dcp.FileSystemReader(folder).read_metadata()
     for info in metadata.storage_data.values():
-        info.relative_path = "../../elsewhere.distcp"
+        info.relative_path = where
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     _rehash(folder, ".metadata")
-    with pytest.raises(UnsafeCheckpointError, match="not a file name inside the checkpoint directory"):
+    with pytest.raises(UnsafeCheckpointError, match="not a DCP data file of the checkpoint directory"):
         read_dcp_metadata(folder)
-    assert "not a file name inside" in verify(folder, read_manifest(folder))
+    assert "not a DCP data file" in verify(folder, read_manifest(folder))
+
+
+def test_an_index_asking_for_stream_transforms_is_refused(tmp_path):
+    folder = _sharded_checkpoint(tmp_path, 3).path
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["zstd"]
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(folder, ".metadata")
+    with pytest.raises(UnsafeCheckpointError, match="stream transforms"):
+        read_dcp_metadata(folder)
+
+
+def test_a_crafted_checkpoint_file_fails_verification_before_anything_loads_it(tmp_path):
+    folder = _file_checkpoint(tmp_path, 4).path
+    marker = tmp_path / "pwned"
+    (folder / "checkpoint.pt").write_bytes(_torch_bytes({"state_dict": {}, "evil": _Marker(marker)}))
+    _rehash(folder, "checkpoint.pt")
+    assert "checkpoint.pt does not load as plain data" in verify(folder, read_manifest(folder))
+    (folder / "rank-00000.pt").write_bytes(_torch_bytes({"rng": 1}))
+    _rehash(folder, "rank-00000.pt")
+    assert "rank-00000.pt is not a rank state" in verify(folder, read_manifest(folder), hash_names=["rank-00000.pt"])
+    assert not marker.exists()
+
+
+def test_unsafe_payloads_are_recognised_before_they_are_written():
+    from collections import OrderedDict
+
+    from lightning_hybrid.checkpoint._safe_load import unsafe_payload
+
+    assert unsafe_payload({"a": torch.ones(3), "b": [1, 2.0, "x", None, (1, 2)], "c": OrderedDict(x=1)}) is None
+    assert "defaultdict" in unsafe_payload({"state": defaultdict(int)})
+    assert "Unsupported global" in unsafe_payload({"x": [_Marker(Path("/nonexistent"))]})
 
 
 # ------------------------------------------------------------------------------------ the manifest
@@ -209,10 +248,21 @@ def test_a_malformed_manifest_is_an_invalid_checkpoint_not_a_crash(tmp_path, cha
     assert why in str(excinfo.value)
 
 
-@pytest.mark.parametrize("text", ["", "{", "null", "[]", '"x"', "\xff\xfe"])
+@pytest.mark.parametrize("text", ["", "{", "null", "[]", '"x"', "\xff\xfe", "[" * 200_000])
 def test_unparseable_manifests_raise_manifest_errors(text):
     with pytest.raises(ManifestError):
         parse_manifest(text.encode("latin-1"))
+
+
+def test_a_huge_world_size_is_refused_without_building_anything(tmp_path):
+    import time
+
+    folder = _file_checkpoint(tmp_path, 4).path
+    _rewrite_manifest(folder, world_size=10**9)
+    start = time.monotonic()
+    with pytest.raises(ManifestError, match="larger than the number of files"):
+        read_manifest(folder)
+    assert time.monotonic() - start < 1.0
 
 
 def test_renamed_key_in_the_manifest_is_an_invalid_checkpoint(tmp_path):
@@ -228,7 +278,8 @@ def test_verification_detects_truncation_bit_flips_missing_files_and_links(tmp_p
     folder = _file_checkpoint(tmp_path, 10).path
     manifest = read_manifest(folder)
     assert verify(folder, manifest) is None
-    data = bytearray((folder / "checkpoint.pt").read_bytes())
+    original = (folder / "checkpoint.pt").read_bytes()
+    data = bytearray(original)
     data[500] ^= 0x01
     (folder / "checkpoint.pt").write_bytes(bytes(data))
     assert "SHA-256" in verify(folder, manifest)
@@ -237,7 +288,7 @@ def test_verification_detects_truncation_bit_flips_missing_files_and_links(tmp_p
     assert "700 bytes" in verify(folder, manifest, hash_names=())
     # a listed file replaced by a link to a file elsewhere (same size, same contents) is not accepted
     outside = tmp_path / "outside.pt"
-    outside.write_bytes(b"x" * 1000)
+    outside.write_bytes(original)
     (folder / "checkpoint.pt").unlink()
     (folder / "checkpoint.pt").symlink_to(outside)
     assert "not a regular file" in verify(folder, manifest)
@@ -482,3 +533,24 @@ def test_flat_range_shards_save_under_the_full_shape_and_read_back_any_other_ran
     assert torch.equal(target.reshape(-1)[9:23], moments.reshape(-1)[9:23])
     assert not target.reshape(-1)[:9].any() and not target.reshape(-1)[23:].any()
     assert part["optimizer_0"]["state.w.exp_avg"].boxes  # the caller's value survives DCP's set-up
+
+
+def test_a_sharded_write_makes_its_index_last(tmp_path):
+    """meta.pt is written before DCP's .metadata: a folder with an index is whole, also without a manifest."""
+
+    def no_space(path, write):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_sharded(tmp_path, {"state_dict": {"w": torch.ones(2)}}, {"epoch": 0}, write_file=no_space)
+    assert not (tmp_path / ".metadata").exists()
+
+
+def test_ctrl_c_wrapped_by_dcp_is_raised_again():
+    from torch.distributed.checkpoint import CheckpointException
+
+    from lightning_hybrid.callbacks._writer import _raise_interrupts
+
+    with pytest.raises(KeyboardInterrupt):
+        _raise_interrupts(CheckpointException("save", {0: (KeyboardInterrupt(), None)}))
+    _raise_interrupts(CheckpointException("save", {0: (OSError("disk"), None)}))  # a failed write: not raised

@@ -295,6 +295,22 @@ def test_a_preemption_whose_save_fails_exits_74_and_is_not_requeued(tmp_path):
     assert sorted(p.name for p in root.glob("step-*")) == ["step-000000004"]  # the failed folder is gone at once
 
 
+def test_a_checkpoint_folder_gone_during_a_preemption_save_exits_74_on_every_rank(tmp_path):
+    """Only rank 0 creates the folder: its failure must reach every rank, not leave them in a collective."""
+    env, calls = _fake_scontrol(tmp_path)
+    cfg = _job(tmp_path, "gone", ft={"every_n_train_steps": 4, "requeue": True})
+    cfg["inject"] = {
+        "signal": {"step": 5, "rank": 1},
+        "vanish": {"step": 5, "rank": 0, "dirpath": cfg["ft"]["dirpath"]},
+    }
+    start = time.monotonic()
+    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, env=env, timeout=120)
+    assert time.monotonic() - start < 60
+    for rank in (0, 1):
+        assert result.rank(rank).get("exit_code") == PREEMPTION_SAVE_FAILED_EXIT_CODE, result.rank(rank)
+    assert "cannot create a folder under" in result.output and not calls.exists()
+
+
 def test_a_checkpoint_write_longer_than_hang_timeout_is_not_a_hang(tmp_path, reference):
     inject = {"slow_write": {"step": 4, "seconds": 8, "rank": 1}}
     cfg = _job(tmp_path, "slow", inject=inject, ft={"async_save": True, "hang_timeout": 3})

@@ -162,19 +162,41 @@ def test_links_named_like_step_folders_are_neither_used_nor_deleted(tmp_path, un
     assert (root / "step-000000002-v9").is_symlink()
 
 
+class TupleState(Callback):
+    """A callback whose state is a namedtuple (a type torch loads once it is allow-listed)."""
+
+    def __init__(self) -> None:
+        self.counts = Counts(0, 0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.counts = Counts(self.counts.seen + 1, self.counts.skipped)
+
+    def state_dict(self):
+        return {"counts": self.counts}
+
+    def load_state_dict(self, state_dict) -> None:
+        self.counts = state_dict["counts"]
+
+
 def test_async_saves_keep_containers_that_are_not_plain_dicts(tmp_path):
-    """A defaultdict or a namedtuple in the state crashed the background staging; sync saves always worked."""
-    saved = {}
-    for mode in ("sync", "async"):
-        state = OddState()
-        _fit(tmp_path / mode, 6, extra=[state], async_save=mode == "async")
-        # the test trusts its own file; torch's weights_only loader refuses a defaultdict (a resume with one in
-        # the state needs `weights_only=False` in fit(), the user's call)
-        checkpoint = torch.load(tmp_path / mode / "step-000000006" / "checkpoint.pt", weights_only=False)
-        saved[mode] = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("OddState"))
-    for mode in saved:
-        assert isinstance(saved[mode]["per_token"], defaultdict) and isinstance(saved[mode]["counts"], Counts)
-    assert saved["async"]["per_token"] == saved["sync"]["per_token"] and saved["async"]["counts"] == (6, 0)
+    """A namedtuple in the state crashed the background staging; sync saves always worked."""
+    torch.serialization.add_safe_globals([Counts])  # the user's part: torch loads only allow-listed types
+    try:
+        _fit(tmp_path, 6, extra=[TupleState()], async_save=True)
+        resumed = TupleState()
+        callback, _ = _fit(tmp_path, 8, extra=[resumed], async_save=True)
+    finally:
+        torch.serialization.clear_safe_globals()
+    assert callback.resumed_from.endswith("step-000000006/checkpoint.pt")
+    assert isinstance(resumed.counts, Counts) and resumed.counts == (8, 0)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_state_that_would_not_load_without_running_code_is_refused_at_the_first_save(tmp_path, async_save):
+    with pytest.raises(ValueError) as excinfo:
+        _fit(tmp_path, 4, extra=[OddState()], async_save=async_save)
+    assert "refusing to write checkpoint step 2" in str(excinfo.value) and "defaultdict" in str(excinfo.value)
+    assert not list(tmp_path.glob("step-*"))  # nothing half-written left behind
 
 
 def test_a_checkpoint_folder_copied_elsewhere_resumes_there(tmp_path, uninterrupted):
@@ -196,3 +218,105 @@ def test_with_no_valid_checkpoint_the_run_starts_fresh_exactly_as_a_first_run(tm
     callback, weights = _fit(root, 10)
     assert callback.resumed_from.endswith("step-000000000/checkpoint.pt")  # the initial state, saved first
     assert _same(weights, uninterrupted)  # RNG streams and data order as in a first run
+
+
+def test_a_crafted_newest_checkpoint_is_skipped_even_when_fit_allows_unsafe_loads(tmp_path, uninterrupted):
+    """The folder is data: with fit(weights_only=False) Lightning would unpickle anything it is handed."""
+    import hashlib
+    import io
+
+    root = tmp_path / "ckpt"
+    _fit(root, 8)
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {}, "evil": Evil()}, buffer)
+    newest = root / "step-000000008"
+    (newest / "checkpoint.pt").write_bytes(buffer.getvalue())
+    body = json.loads((newest / "manifest.json").read_text())
+    data = (newest / "checkpoint.pt").read_bytes()
+    body["files"]["checkpoint.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (newest / "manifest.json").write_text(json.dumps(body))  # the attacker fixes the manifest too
+    from gpt import GPT, CharDataModule
+
+    L.seed_everything(0)
+    data_module = CharDataModule(block_size=16, batch_size=32, stride=16)
+    model = GPT(vocab_size=data_module.vocab_size, block_size=16, n_layer=1, d_model=16, n_head=2, dropout=0.1)
+    callback = FaultTolerantCheckpoint(dirpath=root, every_n_train_steps=2, keep_last=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=10, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data_module, ckpt_path="last", weights_only=False)
+    assert not marker.exists()
+    assert callback.resumed_from.endswith("step-000000006/checkpoint.pt")
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert _same(weights, uninterrupted)
+
+
+def test_a_fresh_run_in_a_used_folder_leaves_the_other_runs_checkpoints_alone(tmp_path):
+    root = tmp_path / "ckpt"
+    _fit(root, 10)  # the first run: keeps steps 8 and 10
+    before = {p.name: (p / "manifest.json").read_bytes() for p in root.glob("step-*")}
+    from gpt import GPT, CharDataModule
+
+    L.seed_everything(1)
+    data = CharDataModule(block_size=16, batch_size=32, stride=16)
+    model = GPT(vocab_size=data.vocab_size, block_size=16, n_layer=1, d_model=16, n_head=2)
+    callback = FaultTolerantCheckpoint(dirpath=root, every_n_train_steps=2, keep_last=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=12, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=data)  # no ckpt_path: a new run, not a resume
+    assert callback.resumed_from is None
+    for name, manifest in before.items():  # neither deleted nor rewritten
+        assert (root / name / "manifest.json").read_bytes() == manifest
+    ours = sorted(p.name for p in root.glob("step-*") if p.name not in before)
+    assert len(ours) == 2 and ours[-1] == "step-000000012"  # its own two newest (retention counts its own only)
+
+
+def test_a_manifest_that_is_a_folder_is_never_a_crash_loop(tmp_path, uninterrupted):
+    root = tmp_path / "ckpt"
+    _fit(root, 6)
+    odd = root / "step-000000001"
+    (odd / "manifest.json").mkdir(parents=True)
+    (odd / "rank-00000.pt").write_bytes(b"x")
+    callback, weights = _fit(root, 10)  # resumes, saves, prunes: the odd folder is skipped and left
+    assert callback.resumed_from.endswith("step-000000006/checkpoint.pt")
+    assert _same(weights, uninterrupted)
+    assert (odd / "manifest.json").is_dir()
+
+
+def test_a_dirpath_through_a_link_resumes_exactly(tmp_path, uninterrupted):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    _fit(tmp_path / "link" / "ckpt", 6)
+    callback, weights = _fit(tmp_path / "link" / "ckpt", 10)
+    assert callback.resumed_from == str(real / "ckpt" / "step-000000006" / "checkpoint.pt")
+    assert _same(weights, uninterrupted)
+
+
+def test_a_checkpoint_of_another_kind_is_skipped_not_loaded(tmp_path, uninterrupted):
+    """A sharded folder (another strategy's) newer than the valid one: a single-device run skips it."""
+    from lightning_hybrid.checkpoint._files import atomic_write
+    from lightning_hybrid.checkpoint._format import manifest_payload
+    from lightning_hybrid.checkpoint._sharded import write_sharded
+    from lightning_hybrid.checkpoint._store import new_step_folder
+
+    root = tmp_path / "ckpt"
+    _fit(root, 6)
+    folder = new_step_folder(root, 9)
+    files = write_sharded(folder.path, {"state_dict": {"w": torch.ones(3)}}, {"epoch": 0})
+    rank = {"rng": {"torch": torch.zeros(2, dtype=torch.uint8)}, "data": {"epoch": 0, "consumed": 0}}
+    files["rank-00000.pt"] = atomic_write(folder.path / "rank-00000.pt", lambda f: torch.save(rank, f))
+    body = manifest_payload(step=9, kind="sharded", world_size=1, files=files, info={})
+    atomic_write(folder.path / "manifest.json", lambda f: f.write(body))
+    callback, weights = _fit(root, 10)
+    assert callback.resumed_from.endswith("step-000000006/checkpoint.pt")
+    assert _same(weights, uninterrupted)

@@ -126,6 +126,7 @@ def test_watchdog_derives_its_limit_from_step_times():
         ({"signals": ["SIGNOPE"]}, "Unknown signal name 'SIGNOPE'"),
         ({"signals": "SIGTERM"}, "signals must be a list of signal names"),
         ({"signals": ["SIGKILL"]}, "SIGKILL cannot be caught by any process"),
+        ({"signals": ["SIGINT"]}, "SIGINT is Ctrl-C: it stops the run"),
         ({"requeue": "no"}, "requeue must be True or False or None, got 'no'"),
         ({"async_save": 1}, "async_save must be True or False, got 1"),
         ({"max_rollbacks": -1}, "max_rollbacks must be an integer >= 0, got -1"),

@@ -14,6 +14,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         inf: one gradient element of that rank is set to inf in the window of step k+1
         signal_in_validation: send SIGTERM at validation batch {"batch": b} (sanity check included)
         slow_validation: every validation batch sleeps {"seconds": s}
+        vanish: the checkpoint folder {"dirpath": d} disappears at the start of the batch after step k
         progress: every rank writes its global step to out/progress<R> after each batch (for outside kills)
     plugin: AdaptiveLossScalingPrecision kwargs ("config": LossScaleConfig kwargs)
     accumulation: AccumulationScheduler kwargs
@@ -68,6 +69,10 @@ class Injector(Callback):
         hang = self.inject.get("hang")
         if _armed(hang) and step == hang["step"]:
             time.sleep(3600)
+        vanish = self.inject.get("vanish")
+        if _armed(vanish) and step == vanish["step"]:
+            root = Path(vanish["dirpath"])
+            root.rename(root.with_name(root.name + ".gone"))  # the mount went away under the job
 
     def on_after_backward(self, trainer, pl_module) -> None:
         spec = self.inject.get("inf")

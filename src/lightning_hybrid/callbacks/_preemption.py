@@ -36,6 +36,7 @@ PREEMPTION_SAVE_FAILED_EXIT_CODE = 74
 relaunch would resume from an older checkpoint, and the cause (a full disk, a lost mount) needs a look."""
 
 _UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
+_NOT_PREEMPTION = {"SIGINT": "SIGINT is Ctrl-C: it stops the run (a save, exit 75 and a requeue would ignore it)"}
 
 
 def parse_signals(names: Any) -> tuple[signal.Signals, ...]:
@@ -49,6 +50,8 @@ def parse_signals(names: Any) -> tuple[signal.Signals, ...]:
             raise ValueError(f"Unknown signal name {name!r} in signals; use names such as 'SIGTERM', 'SIGUSR1'.")
         if name in _UNCATCHABLE:
             raise ValueError(f"{name} cannot be caught by any process, so it cannot trigger a save; remove it.")
+        if name in _NOT_PREEMPTION:
+            raise ValueError(f"{_NOT_PREEMPTION[name]}; remove it from signals.")
         parsed.append(value)
     return tuple(dict.fromkeys(parsed))
 

@@ -41,10 +41,9 @@ log = logging.getLogger(__name__)
 def _plausible(folder: StepFolder) -> bool:
     """Cheap (no file is read but the manifest): a well-formed manifest whose files have the listed sizes."""
     try:
-        manifest = read_manifest(folder.path, step=folder.step)
-    except ManifestError:
+        return verify(folder.path, read_manifest(folder.path, step=folder.step), hash_names=()) is None
+    except Exception:
         return False
-    return verify(folder.path, manifest, hash_names=()) is None
 
 
 def answer_last(root: Path) -> set[str]:
@@ -68,7 +67,7 @@ class Choice:
     ignored: list[str] = field(default_factory=list)  # links and files named like step folders
 
 
-def agreed_verdict(trainer: pl.Trainer, folder: StepFolder) -> str | None:
+def agreed_verdict(trainer: pl.Trainer, folder: StepFolder, *, kind: str | None = None) -> str | None:
     """Why ``folder`` cannot be resumed, or ``None``: the same answer on every rank.
 
     Every rank checks the manifest and all sizes, and hashes its share of the files (file ``i`` of the
@@ -80,6 +79,8 @@ def agreed_verdict(trainer: pl.Trainer, folder: StepFolder) -> str | None:
         names = sorted(manifest.files)
         share = set(names[rank::world]) | ({rank_file(rank)} & set(names))
         problem = verify(folder.path, manifest, hash_names=share)
+        if problem is None and kind is not None and manifest.kind != kind:
+            problem = f"a {manifest.kind!r} checkpoint; this run's strategy reads {kind!r} ones"
     except ManifestError as exc:
         problem = f"unreadable manifest: {exc}"
     except Exception as exc:  # hostile files fail in many ways; each rank must still reach the all-reduce
@@ -94,14 +95,14 @@ def agreed_verdict(trainer: pl.Trainer, folder: StepFolder) -> str | None:
     return "; ".join(f"{p} (rank {r})" if world > 1 else str(p) for r, p in enumerate(problems) if p)
 
 
-def choose(trainer: pl.Trainer, root: Path) -> Choice:
-    """Verify step folders newest first until one passes on every rank (all ranks call this)."""
+def choose(trainer: pl.Trainer, root: Path, *, kind: str) -> Choice:
+    """Verify step folders newest first until one of ``kind`` passes on every rank (all ranks call this)."""
     listing = [(f.step, f.version, f.name) for f in step_folders(root)] if trainer.is_global_zero else None
     listing = trainer.strategy.broadcast(listing)  # one view of the folder for every rank
     choice = Choice(ignored=foreign_step_entries(root) if trainer.is_global_zero else [])
     for step, version, name in listing:
         folder = StepFolder(step, version, root / name)
-        why = agreed_verdict(trainer, folder)
+        why = agreed_verdict(trainer, folder, kind=kind)
         if why is None:
             choice.chosen = folder
             break

@@ -22,20 +22,17 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_hybrid._agree import distributed_ready
+from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._lightning_compat import dump_checkpoint
 from lightning_hybrid.checkpoint._files import FileEntry, atomic_write
 from lightning_hybrid.checkpoint._format import CHECKPOINT_FILE, MANIFEST, Kind, manifest_payload, rank_file
+from lightning_hybrid.checkpoint._safe_load import unsafe_payload
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.checkpoint._store import StepFolder, new_step_folder, remove_step_folder
 
 __all__ = ["CheckpointWriter", "load_target", "snapshot"]
 
 log = logging.getLogger(__name__)
-
-# what a failed write reports instead of raising: DCP's own failure derives from BaseException, and
-# KeyboardInterrupt / SystemExit must never be among them (Ctrl-C stops the run, it is not a failed save)
-_WRITE_ERRORS = (Exception, CheckpointException)
 
 
 @dataclass
@@ -45,8 +42,10 @@ class _Write:
     step: int
     folder: StepFolder
     thread: threading.Thread | None = None
+    made: bool = True  # rank 0 created the folder
     files: dict[str, FileEntry] = field(default_factory=dict)
     error: str | None = None
+    fatal: bool = False  # the state itself must not be saved (not a disk problem): every rank raises
 
     @property
     def busy(self) -> bool:
@@ -95,21 +94,48 @@ class CheckpointWriter:
         return self.pending is not None and self.pending.busy
 
     def start(self, trainer: pl.Trainer, step: int, per_rank: dict[str, Any], *, background: bool) -> None:
-        """Collect the state and write it, inline or (``background``) from a CPU snapshot in a thread."""
+        """Collect the state and write it, inline or (``background``) from a CPU snapshot in a thread.
+
+        A failure on any rank before the write (no folder, a state that cannot be staged or would not load
+        as plain data) is agreed by all ranks before any collective write starts: every rank then skips the
+        write and :meth:`complete` reports it."""
         assert self.pending is None, "finish() the previous write first"
-        name = new_step_folder(self.root, step).name if trainer.is_global_zero else None
-        name = trainer.strategy.broadcast(name)  # every rank writes into the folder rank 0 created
-        folder = StepFolder(step, _version(name), self.root / name)
-        checkpoint = dump_checkpoint(trainer)
+        made: tuple[str | None, str | None] = (None, None)
+        if trainer.is_global_zero:
+            try:
+                made = (new_step_folder(self.root, step).name, None)
+            except OSError as exc:
+                made = (None, f"cannot create a folder under {self.root}: {exc}")
+        name, error = trainer.strategy.broadcast(made)  # every rank writes into the folder rank 0 created
+        folder = StepFolder(step, _version(name or ""), self.root / (name or f"step-{step:09d}"))
+        write = _Write(step=step, folder=folder, made=name is not None)
+        checkpoint: dict[str, Any] = {}
         tensors = None
-        if self.sharded:
-            tensors, checkpoint = split_checkpoint(checkpoint)
-            if self.layout is not None:
-                checkpoint[LAYOUT_KEY] = dict(self.layout())
-        if background:
-            # the copy is the whole stall of an async save: training may change the originals right after
-            checkpoint, per_rank, tensors = snapshot((checkpoint, per_rank, tensors))
-        write = _Write(step=step, folder=folder)
+        if error is None:
+            try:
+                checkpoint = dump_checkpoint(trainer)
+                if self.sharded:
+                    tensors, checkpoint = split_checkpoint(checkpoint)
+                    if self.layout is not None:
+                        checkpoint[LAYOUT_KEY] = dict(self.layout())
+                unsafe = unsafe_payload(checkpoint) if trainer.is_global_zero else None
+                if unsafe:
+                    write.fatal = True
+                    error = (
+                        f"the checkpoint would not load without running code ({unsafe}); keep callback and module"
+                        " state to tensors, numbers, strings, lists and dicts (or register the types with"
+                        " torch.serialization.add_safe_globals)"
+                    )
+                elif background:
+                    # the copy is the whole stall of an async save: training may change the originals after it
+                    checkpoint, per_rank, tensors = snapshot((checkpoint, per_rank, tensors))
+            except Exception as exc:
+                error = f"cannot collect the state: {type(exc).__name__}: {exc}"
+        (failed,) = agree([float(error is not None)], device=trainer.strategy.root_device)
+        self.pending = write
+        if failed:
+            write.error = error or "skipped: another rank could not prepare its part"
+            return
         rank, group = trainer.global_rank, self.group if background else None
 
         def run() -> None:
@@ -123,10 +149,12 @@ class CheckpointWriter:
                 elif rank == 0:
                     files[CHECKPOINT_FILE] = self.write_file(folder.path / CHECKPOINT_FILE, _saver(checkpoint))
                 write.files = files
-            except _WRITE_ERRORS as exc:
+            except CheckpointException as exc:
+                _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
+                write.error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:
                 write.error = f"{type(exc).__name__}: {exc}"
 
-        self.pending = write
         if background:
             write.thread = threading.Thread(target=run, name=f"lightning-hybrid-save-{step}", daemon=True)
             write.thread.start()
@@ -144,42 +172,64 @@ class CheckpointWriter:
         return self.complete(trainer)
 
     def complete(self, trainer: pl.Trainer) -> StepFolder | None:
-        """All ranks: gather every rank's files; rank 0 writes the manifest unless some rank failed."""
+        """All ranks: gather every rank's result; rank 0 writes the manifest unless some rank failed.
+
+        Every outcome is the same on every rank: complete (the folder is returned), failed (``None``; the
+        folder is removed), or a state that must not be saved (``ValueError`` on every rank)."""
         write = self.pending
         assert write is not None and not write.busy
         self.pending = None
-        parts: list[Any] = [(write.files, write.error)]
+        mine = (write.files, write.error, write.fatal)
+        parts: list[Any] = [mine]
         if distributed_ready():
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, (write.files, write.error))
-        errors = {r: err for r, (_, err) in enumerate(parts) if err}
+            dist.all_gather_object(parts, mine)
+        errors = {r: err for r, (_, err, _) in enumerate(parts) if err}
+        if not errors and trainer.is_global_zero:
+            try:
+                self._write_manifest(trainer, write, [files for files, _, _ in parts])
+            except Exception as exc:
+                errors[0] = f"cannot write the manifest: {type(exc).__name__}: {exc}"
+        errors = trainer.strategy.broadcast(errors)
         if errors:
             # every rank sees the same errors: nobody points at this checkpoint, and it does not stay on disk
             if trainer.is_global_zero:
-                removed = remove_step_folder(write.folder)
+                removed = write.made and remove_step_folder(write.folder)
+                left = "removed" if removed else "not written" if not write.made else "left: it holds other files"
                 self.report(
                     f"FaultTolerantCheckpoint: checkpoint {write.folder.path} failed and is not marked complete"
-                    f" ({'removed' if removed else 'left: it holds files this pack did not write'}): {errors}"
+                    f" ({left}): {errors}"
                 )
             trainer.strategy.barrier("FaultTolerantCheckpoint.failed")
+            fatal = [err for _, err, is_fatal in parts if is_fatal]
+            if fatal:
+                raise ValueError(
+                    f"FaultTolerantCheckpoint: refusing to write checkpoint step {write.step}: {fatal[0]}."
+                )
             return None
-        if trainer.is_global_zero:
-            files: dict[str, FileEntry] = {}
-            for rank_files, _ in parts:
-                files.update(rank_files)
-            info = {
-                "epoch": trainer.current_epoch,
-                "strategy": type(trainer.strategy).__name__,
-                "layout": dict(self.layout()) if self.layout is not None else None,
-            }
-            kind: Kind = "sharded" if self.sharded else "file"
-            payload = manifest_payload(
-                step=write.step, kind=kind, world_size=trainer.world_size, files=files, info=info
-            )
-            atomic_write(write.folder.path / MANIFEST, lambda f: f.write(payload))
         self.on_complete(write.folder)
         trainer.strategy.barrier("FaultTolerantCheckpoint.complete")
         return write.folder
+
+    def _write_manifest(self, trainer: pl.Trainer, write: _Write, parts: list[dict[str, FileEntry]]) -> None:
+        files: dict[str, FileEntry] = {}
+        for rank_files in parts:
+            files.update(rank_files)
+        info = {
+            "epoch": trainer.current_epoch,
+            "strategy": type(trainer.strategy).__name__,
+            "layout": dict(self.layout()) if self.layout is not None else None,
+        }
+        kind: Kind = "sharded" if self.sharded else "file"
+        payload = manifest_payload(step=write.step, kind=kind, world_size=trainer.world_size, files=files, info=info)
+        atomic_write(write.folder.path / MANIFEST, lambda f: f.write(payload))
+
+
+def _raise_interrupts(exc: CheckpointException) -> None:
+    for failure in exc.failures.values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, (KeyboardInterrupt, SystemExit)):
+            raise cause
 
 
 def _version(name: str) -> int:

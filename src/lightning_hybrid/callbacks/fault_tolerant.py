@@ -46,7 +46,7 @@ from lightning_hybrid.callbacks._resume_choice import agreed_verdict, answer_las
 from lightning_hybrid.callbacks._samplers import SamplerOwner
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
 from lightning_hybrid.callbacks._writer import CheckpointWriter, load_target
-from lightning_hybrid.checkpoint._format import rank_file
+from lightning_hybrid.checkpoint._format import rank_file, read_manifest
 from lightning_hybrid.checkpoint._safe_load import load_payload
 from lightning_hybrid.checkpoint._store import (
     StepFolder,
@@ -179,6 +179,8 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         self._resume_rng: dict[str, Any] | None = None
         self._rank = 0
         self._fresh_start: StepFolder | None = None  # the initial state saved when nothing was valid
+        self._lineage = False  # resumed from this folder: its history is this run's (retention may prune it)
+        self._written: set[Path] = set()  # folders this run completed
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -219,27 +221,38 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
     @override
     def resolve_last(self, trainer: pl.Trainer) -> set[str]:
         # before any process group: the pointer, (re)made when step folders exist but it was lost
-        answer = answer_last(self._root.absolute())
+        try:
+            answer = answer_last(self._root.resolve())
+        except OSError as exc:  # e.g. the folder cannot be read: no answer now, the same error at set-up
+            _event(f"FaultTolerantCheckpoint: cannot look for checkpoints under {self._root}: {exc}")
+            answer = set()
         self._answered_last = bool(answer)
         return answer
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        root = Path(trainer.strategy.broadcast(str(self._root.absolute())))
+        # resolved: a link in dirpath must not make the checkpoints Lightning loads look like someone else's
+        root = Path(trainer.strategy.broadcast(str(self._root.resolve())))
         self._root = root
         self.dirpath = str(root)
         if stage != "fit":
             return
         self._rank = trainer.global_rank
         self._flag.install()  # from here on a signal is honoured at the next batch boundary
+        problem = None
         if trainer.is_global_zero:
-            root.mkdir(parents=True, exist_ok=True)
-            removed, kept = clean_stale(root)
-            if removed:
-                rank_zero_info(f"FaultTolerantCheckpoint: removed {len(removed)} unfinished save(s) under {root}")
-            for path in kept:
-                _event(f"FaultTolerantCheckpoint: {path} has no manifest but holds files it did not write; left alone")
-        trainer.strategy.barrier("FaultTolerantCheckpoint.setup")
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                removed, kept = clean_stale(root)
+                if removed:
+                    rank_zero_info(f"FaultTolerantCheckpoint: removed {len(removed)} unfinished save(s) under {root}")
+                for path in kept:
+                    _event(f"FaultTolerantCheckpoint: {path} has no manifest but holds files it did not write; left")
+            except OSError as exc:
+                problem = f"cannot use {root} as the checkpoint folder: {exc}"
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")
         sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         if self.async_save and sharded and distributed_ready():
             # DCP's collectives run in the writer thread: give them their own group, away from training's
@@ -256,20 +269,31 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         self._agree_on_resume(trainer)
 
     def _agree_on_resume(self, trainer: pl.Trainer) -> None:
-        choice = choose(trainer, self._root)
+        """When Lightning will load our pointer (``ckpt_path="last"``): choose, with every rank, what it loads."""
+        mine = float(self._answered_last)
+        most, least = agree([mine, -mine], op="max", device=trainer.strategy.root_device)
+        if most != -least:
+            raise RuntimeError(
+                f"FaultTolerantCheckpoint: some ranks found checkpoints under {self._root} and some did not: the"
+                " folder must be the same shared folder on every node."
+            )
+        if not self._answered_last:
+            existing = [f.name for f in step_folders(self._root)]
+            if existing and trainer.is_global_zero:
+                _event(
+                    f"FaultTolerantCheckpoint: {self._root} holds {len(existing)} checkpoint(s) this run does not"
+                    " resume from; they are left alone (neither loaded, counted nor deleted)."
+                )
+            return
+        expected = "sharded" if isinstance(trainer.strategy, ModelParallelStrategy) else "file"
+        choice = choose(trainer, self._root, kind=expected)
         self._rejected.update(choice.rejected)
         if trainer.is_global_zero:
             for name in choice.ignored:
                 _event(f"FaultTolerantCheckpoint: {self._root / name} is a link or a file, not a step folder; ignored")
             for path, why in sorted(choice.rejected.items(), reverse=True):
                 _event(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
-        if choice.chosen is not None:
-            self._verified.add(choice.chosen.path)
-            self._complete_step = choice.chosen.step
-            self.last_model_path = str(load_target(choice.chosen.path))
-            if trainer.is_global_zero:
-                self._point_last(choice.chosen)
-        elif self._answered_last:
+        if choice.chosen is None:
             # Lightning already chose to load the pointer (it resolves "last" before any process group
             # exists), but nothing under it verifies: give it the initial state, so the run starts fresh
             _event(
@@ -277,7 +301,18 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
                 " initial weights (saved as step 0)."
             )
             self._fresh_start = self._save(trainer, 0, background=False)
-        trainer.strategy.barrier("FaultTolerantCheckpoint.agree_on_resume")
+            if self._fresh_start is None:
+                raise RuntimeError(f"FaultTolerantCheckpoint: cannot write to {self._root} (see the error above).")
+            return  # the save moved the pointer
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                self._point_last(choice.chosen)
+            except OSError as exc:
+                problem = f"cannot point {self._root}'s last.ckpt at {choice.chosen.path}: {exc}"
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")  # Lightning would load the wrong one
 
     def _point_last(self, folder: StepFolder) -> None:
         pointer, taken = pointer_path(self._root)
@@ -296,6 +331,16 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         path = Path(trainer.ckpt_path).resolve()
         folder_path = path if path.is_dir() else path.parent
         parsed = parse_step_name(folder_path.name) if folder_path.parent == self._root else None
+        # every rank must have loaded the same folder (a stale view of the pointer on one node would not)
+        step, version = parsed or (-1, -1)
+        hi_step, hi_version, lo_step, lo_version = agree(
+            [step, version, -step, -version], op="max", device=trainer.strategy.root_device
+        )
+        if (hi_step, hi_version) != (-lo_step, -lo_version):
+            raise RuntimeError(
+                f"FaultTolerantCheckpoint: the ranks loaded different checkpoints; this rank loaded {path}. A node"
+                f" sees a stale or different copy of {self._root}; relaunch once every node sees the same folder."
+            )
         if parsed is None:
             rank_zero_warn(
                 f"FaultTolerantCheckpoint: {trainer.ckpt_path} was not written by this callback: no checksums to"
@@ -303,14 +348,6 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             )
             return
         folder = StepFolder(*parsed, folder_path)
-        # every rank must have loaded the same folder (a stale view of the pointer on one node would not)
-        lo = agree([folder.step, folder.version], op="min", device=trainer.strategy.root_device)
-        hi = agree([folder.step, folder.version], op="max", device=trainer.strategy.root_device)
-        if lo != hi:
-            raise RuntimeError(
-                f"FaultTolerantCheckpoint: the ranks loaded different checkpoints (steps {lo[0]:.0f}..{hi[0]:.0f});"
-                f" this rank loaded {folder.path}. A node sees a stale copy of {self._root}; relaunch."
-            )
         why = None if folder.path in self._verified else self._rejected.get(folder.path)
         if why is None and folder.path not in self._verified:
             why = agreed_verdict(trainer, folder)  # a specific checkpoint the user asked for
@@ -318,20 +355,36 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             raise RuntimeError(f"Refusing to resume from {folder.path}: {why}.")
         self._verified.add(folder.path)
         self._complete_step = max(self._complete_step, folder.step)
+        self._lineage = True  # this run continues the folder's history: its older checkpoints are ours to prune
         self.resumed_from = str(path)
         if self._fresh_start is not None and folder.path == self._fresh_start.path:
             return  # the initial state this run just wrote: RNG and data start as in any fresh run
-        rank_path = folder.path / rank_file(trainer.global_rank)
-        if rank_path.is_file():
-            state = load_payload(rank_path)
-            self._resume_rng = state["rng"]
-            self._samplers.resume_at = {k: int(v) for k, v in state["data"].items()}
-        else:
+        self._restore_rank_state(trainer, folder)
+        rank_zero_info(f"FaultTolerantCheckpoint: resuming from {folder.path}")
+
+    def _restore_rank_state(self, trainer: pl.Trainer, folder: StepFolder) -> None:
+        """This rank's RNG streams and data position, from its rank file (verified, listed in the manifest)."""
+        problem, state = None, None
+        try:
+            name = rank_file(trainer.global_rank)
+            if name in read_manifest(folder.path, step=folder.step).files:
+                state = load_payload(folder.path / name)
+                rng, data = state["rng"], {k: int(v) for k, v in state["data"].items()}
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        (failed,) = agree([float(problem is not None)], device=trainer.strategy.root_device)
+        if failed:
+            raise RuntimeError(
+                f"FaultTolerantCheckpoint: cannot restore the ranks' RNG streams and data position from {folder.path}"
+                f" ({problem or 'on another rank'})."
+            )
+        if state is None:
             rank_zero_warn(
                 f"FaultTolerantCheckpoint: {folder.path} was written by fewer ranks; ranks beyond those start"
                 " fresh RNG streams (the data position is restored on every rank)."
             )
-        rank_zero_info(f"FaultTolerantCheckpoint: resuming from {folder.path}")
+            return
+        self._resume_rng, self._samplers.resume_at = rng, data
 
     # ---------------------------------------------------------------------------------- training start
 
@@ -504,19 +557,23 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
     def _on_complete(self, folder: StepFolder) -> None:
         """Every rank, once a checkpoint is complete: remember it; rank 0 moves the pointer and prunes."""
         self._verified.add(folder.path)
+        self._written.add(folder.path)
         self._complete_step = max(self._complete_step, folder.step)
         self.last_model_path = str(load_target(folder.path))
         if self._rank != 0:
             return
-        self._point_last(folder)
-        doomed = retention(
-            step_folders(self._root), verified=self._verified, rejected=set(self._rejected), keep_last=self.keep_last
-        )
-        for old in doomed:
-            if remove_step_folder(old):
-                self._verified.discard(old.path)
-            else:
-                _event(f"FaultTolerantCheckpoint: {old.path} holds files this callback did not write; not removed")
+        try:  # the checkpoint is complete whatever happens here: a failure is reported, never raised
+            self._point_last(folder)
+            # a run that did not resume from this folder leaves the checkpoints it found alone
+            folders = [f for f in step_folders(self._root) if self._lineage or f.path in self._written]
+            doomed = retention(folders, verified=self._verified, rejected=set(self._rejected), keep_last=self.keep_last)
+            for old in doomed:
+                if remove_step_folder(old):
+                    self._verified.discard(old.path)
+                else:
+                    _event(f"FaultTolerantCheckpoint: {old.path} holds files this callback did not write; not removed")
+        except OSError as exc:
+            _event(f"FaultTolerantCheckpoint: after completing {folder.path}: {exc} (pointer or retention)")
 
     # ---------------------------------------------------------------------------- failures and policy
 

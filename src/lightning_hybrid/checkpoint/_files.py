@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import re
+import stat
 import uuid
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -168,8 +169,12 @@ def dcp_writer(path: str | os.PathLike) -> tuple[FileSystemWriter, AtomicFileSys
 
 
 def sha256_file(path: str | os.PathLike) -> str:
+    """SHA-256 of a regular file, never through a link (and never blocking on a FIFO put in its place)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb", closefd=True) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{path} is not a regular file")
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning_hybrid.checkpoint._files import FileEntry, sha256_file
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA, dcp_data_files, read_dcp_metadata, unsafe_byte_items
+from lightning_hybrid.checkpoint._safe_load import (
+    DCP_DATA_FILE,
+    DCP_METADATA,
+    dcp_data_files,
+    load_payload,
+    read_dcp_metadata,
+    unsafe_byte_items,
+)
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -51,7 +58,6 @@ FORMAT_VERSION = 2
 Kind = Literal["file", "sharded"]
 
 _RANK_FILE = re.compile(r"^rank-(\d{5,})\.pt$")
-_DCP_DATA = re.compile(r"^__\d+_\d+\.distcp$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -64,7 +70,7 @@ def is_checkpoint_file_name(name: str) -> bool:
     return (
         name in (MANIFEST, CHECKPOINT_FILE, META_FILE, DCP_METADATA, DCP_METADATA + ".tmp")
         or _RANK_FILE.match(name) is not None
-        or _DCP_DATA.match(name) is not None
+        or DCP_DATA_FILE.match(name) is not None
     )
 
 
@@ -105,8 +111,8 @@ def parse_manifest(text: str | bytes, *, step: int | None = None) -> Manifest:
     """The manifest in ``text``; raises :class:`ManifestError` naming the first thing wrong with it."""
     try:
         body = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"not valid JSON ({exc})") from None
+    except Exception as exc:  # hostile JSON: bad bytes, bad syntax, nesting deep enough to exhaust the stack
+        raise ManifestError(f"not valid JSON ({type(exc).__name__})") from None
     if not isinstance(body, dict):
         raise ManifestError(f"a JSON {type(body).__name__}, not an object")
     version = body.get("format")
@@ -119,6 +125,8 @@ def parse_manifest(text: str | bytes, *, step: int | None = None) -> Manifest:
     files = body.get("files")
     if not isinstance(files, dict) or not files:
         raise ManifestError(f"'files' must be a non-empty object, got {_show(files)}")
+    if world_size > len(files):  # every rank writes a file: this also bounds what the checks below build
+        raise ManifestError(f"'world_size' ({world_size}) is larger than the number of files it lists ({len(files)})")
     for name, entry in files.items():
         if not is_checkpoint_file_name(name) or name in (MANIFEST, DCP_METADATA + ".tmp"):
             raise ManifestError(f"lists {name!r}, which is not a checkpoint file name of this folder")
@@ -188,6 +196,11 @@ def verify(folder: str | os.PathLike, manifest: Manifest, *, hash_names: Iterabl
                 return f"{name} does not match its SHA-256 checksum (corrupted or modified)"
         except OSError as exc:
             return f"{name} cannot be read ({exc})"
+    for name in hashed:
+        if name.endswith(".pt"):
+            problem = _payload_problem(folder / name)
+            if problem:
+                return f"{name} {problem}"
     if manifest.kind == "sharded" and any(n == DCP_METADATA or n.endswith(".distcp") for n in hashed):
         # the index decides which files a load reads, and DCP unpickles its non-tensor values: both checked
         # here, before any loader sees them
@@ -201,6 +214,22 @@ def verify(folder: str | os.PathLike, manifest: Manifest, *, hash_names: Iterabl
             return f"{DCP_METADATA} refers to {unlisted}, which the manifest does not list"
         if unsafe:
             return unsafe
+    return None
+
+
+def _payload_problem(path: Path) -> str | None:
+    """Why a ``torch.save`` file of the checkpoint would not load as plain data (or ``None``).
+
+    Memory-mapped: the tensors' bytes are not read, only the structure is unpickled (allow-listed).
+    """
+    try:
+        payload = load_payload(path, mmap=True)
+    except Exception as exc:
+        return f"does not load as plain data ({type(exc).__name__})"
+    if _RANK_FILE.match(path.name) and not (
+        isinstance(payload, dict) and isinstance(payload.get("rng"), dict) and isinstance(payload.get("data"), dict)
+    ):
+        return "is not a rank state (RNG streams and data position)"
     return None
 
 

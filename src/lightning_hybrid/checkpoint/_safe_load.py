@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,12 @@ __all__ = [
     "dcp_data_files",
     "load_payload",
     "read_dcp_metadata",
+    "unsafe_byte_items",
+    "unsafe_payload",
 ]
 
 DCP_METADATA = ".metadata"
+DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 # What torch 2.13's DCP writes into `.metadata` (checked by a test that saves every kind of state the pack
 # writes and reads it back through this list).
@@ -88,21 +92,26 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
 
 
 def dcp_data_files(metadata: Metadata, *, where: Path | None = None) -> set[str]:
-    """The data files a DCP load may read, as plain names inside the checkpoint directory."""
+    """The data files a DCP load may read: DCP data file names (``__<rank>_<n>.distcp``) of the directory.
+
+    Nothing else: a value stored "inside" ``.metadata``, ``meta.pt`` or a rank file would escape the
+    checks made on data files, and a path would escape the directory.
+    """
     names = set()
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or not _plain_name(name):
+        if not isinstance(name, str) or not DCP_DATA_FILE.match(name):
             raise UnsafeCheckpointError(
-                f"{where or 'the checkpoint'}: .metadata refers to {name!r}, which is not a file name inside the"
+                f"{where or 'the checkpoint'}: .metadata refers to {name!r}, which is not a DCP data file of the"
                 " checkpoint directory"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(
+                f"{where or 'the checkpoint'}: .metadata asks for stream transforms {info.transform_descriptors}"
+                " (never written by lightning-hybrid)"
             )
         names.add(name)
     return names
-
-
-def _plain_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -136,6 +145,35 @@ def load_payload(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
+def unsafe_payload(obj: Any) -> str | None:
+    """Why ``obj``, saved with ``torch.save``, would not load back with ``weights_only=True`` (or ``None``).
+
+    Checked on a skeleton of ``obj`` (every tensor replaced by an empty one), so it costs a pickle of the
+    non-tensor part only. The pack writes no checkpoint it could not read back without running code.
+    """
+    buffer = io.BytesIO()
+    torch.save(_skeleton(obj), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        why = str(exc).split("WeightsUnpickler error: ")[-1].split("Please use")[0].split("Check the documentation")[0]
+        return " ".join(why.split())
+    return None
+
+
+def _skeleton(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return torch.empty(0, dtype=obj.dtype)
+    if type(obj) is dict:
+        return {k: _skeleton(v) for k, v in obj.items()}
+    if type(obj) is list:
+        return [_skeleton(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_skeleton(v) for v in obj)
+    return obj  # anything else goes as it is: exactly what the loader will meet
+
+
 def unsafe_byte_items(folder: str | os.PathLike, metadata: Metadata, files: set[str]) -> str | None:
     """Why a non-tensor value stored in ``files`` would not load with ``weights_only=True``, or ``None``.
 
@@ -148,8 +186,6 @@ def unsafe_byte_items(folder: str | os.PathLike, metadata: Metadata, files: set[
     for index, info in (metadata.storage_data or {}).items():
         if info.relative_path not in files:
             continue
-        if getattr(info, "transform_descriptors", None):
-            return f"{info.relative_path}: stream transforms {info.transform_descriptors} (never written by this pack)"
         if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             continue
         with open(folder / info.relative_path, "rb") as f:

@@ -53,6 +53,9 @@ def write_sharded(
     """Write this rank's part of a sharded checkpoint into the existing folder ``path`` (every rank calls it;
     ``meta`` is written by whoever passes it: global rank 0). Returns the files this rank wrote."""
     path = Path(path)
+    files: dict[str, FileEntry] = {}
+    if meta is not None:  # before DCP's .metadata, which DCP writes last: a folder with .metadata is whole
+        files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
     writer, fs = dcp_writer(path)
     dcp.save(
         tensors,
@@ -61,9 +64,7 @@ def write_sharded(
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
-    files = dict(fs.written)
-    if meta is not None:
-        files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
+    files.update(fs.written)
     return files
 
 

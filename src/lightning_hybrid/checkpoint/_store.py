@@ -55,7 +55,10 @@ class StepFolder:
 
     @property
     def complete(self) -> bool:
-        return os.path.lexists(self.path / MANIFEST)
+        try:
+            return stat.S_ISREG(os.lstat(self.path / MANIFEST).st_mode)
+        except OSError:
+            return False
 
 
 def step_name(step: int, version: int = 0) -> str:
@@ -104,25 +107,40 @@ def new_step_folder(root: str | os.PathLike, step: int) -> StepFolder:
 
 def remove_step_folder(folder: StepFolder) -> bool:
     """Delete a step folder of ours: the manifest first (a half-deleted folder never looks complete), then its
-    checkpoint files. Anything else inside (a user's file, a folder, a link) keeps the folder; returns
-    whether it is gone."""
-    path = folder.path
-    if path.is_symlink() or not path.is_dir():
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        (path / MANIFEST).unlink()
+    checkpoint files. Anything else inside (a user's file, a folder, a link's target) keeps the folder;
+    nothing is ever followed out of it (the folder is opened without following links and every entry is
+    removed relative to it). Returns whether the folder is gone; never raises for what it finds."""
+    try:
+        fd = os.open(folder.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False  # gone, a link, or not a folder: nothing of ours to remove
     foreign = False
-    for entry in os.scandir(path):
-        ours = is_checkpoint_file_name(final_name(entry.name))
-        if ours and (entry.is_file(follow_symlinks=False) or entry.is_symlink()):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
-        else:
-            foreign = True
+    try:
+        names = sorted(entry.name for entry in os.scandir(fd))
+        names.sort(key=lambda n: n != MANIFEST)  # the manifest goes first
+        for name in names:
+            if not (is_checkpoint_file_name(final_name(name)) and _unlink_file(name, fd)):
+                foreign = True
+    finally:
+        os.close(fd)
     if foreign:
         return False
     try:
-        path.rmdir()
+        os.rmdir(folder.path)
+    except OSError:
+        return False
+    return True
+
+
+def _unlink_file(name: str, dir_fd: int) -> bool:
+    """Unlink ``name`` inside the open folder if it is a file or a link (never a folder); whether it is gone."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return True
     except OSError:
         return False
     return True
@@ -141,16 +159,23 @@ def clean_stale(root: str | os.PathLike) -> tuple[list[Path], list[Path]]:
         if not folder.complete:
             (removed if remove_step_folder(folder) else kept).append(folder.path)
             continue
-        for entry in os.scandir(folder.path):
-            ours = is_temp_name(entry.name) and is_checkpoint_file_name(final_name(entry.name))
-            if ours and (entry.is_file(follow_symlinks=False) or entry.is_symlink()):
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
+        try:
+            fd = os.open(folder.path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            for name in [e.name for e in os.scandir(fd)]:
+                ours = is_temp_name(name) and is_checkpoint_file_name(final_name(name))
+                if ours and _unlink_file(name, fd):
+                    removed.append(folder.path / name)
+        finally:
+            os.close(fd)
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.scandir(root):
             if is_temp_name(entry.name) and _POINTER.match(final_name(entry.name)) and entry.is_symlink():
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
     return removed, kept
 
 

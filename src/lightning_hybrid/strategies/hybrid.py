@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
 from lightning_hybrid._protocols import PipelineLossScaling
+from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._fsdp import shard_fully
@@ -418,11 +419,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes torch DCP).")
         path = Path(self.broadcast(str(filepath)))  # one folder for every rank
-        if path.is_file():
-            raise FileExistsError(f"{path} is a file; a sharded checkpoint is a folder. Choose another path.")
+        problem = None
         if self.is_global_zero:
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier("HybridParallelStrategy.save_checkpoint")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                # rewriting a folder: without the old index it never looks whole while the new one is written
+                (path / DCP_METADATA).unlink(missing_ok=True)
+            except OSError as exc:  # a file there, no permission: every rank fails the same way
+                problem = f"cannot write a sharded checkpoint (a folder) at {path}: {exc}"
+        problem = self.broadcast(problem)
+        if problem:
+            raise OSError(problem)
         tensors, meta = split_checkpoint(checkpoint)
         meta[LAYOUT_KEY] = self.checkpoint_layout()
         write_sharded(path, tensors, meta if self.is_global_zero else None)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_hybrid.checkpoint._files import atomic_write
 from lightning_hybrid.checkpoint._format import MANIFEST, ManifestError, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     checkpoint = _consolidated_lightning_checkpoint(args.checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, args.output)
+    atomic_write(args.output, lambda f: torch.save(checkpoint, f))  # never a partial file under the name
     n = sum(t.numel() for t in checkpoint["state_dict"].values())
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors, {n:,} parameters")
 
