@@ -130,7 +130,7 @@ def test_config_as_the_mapping_lightningcli_gives():
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(AdaptiveLossScalingPrecision, "plugin")
     cfg = parser.parse_string("plugin: {policy: hysteresis, config: {init_scale: 1024.0, hysteresis: 3}}")
-    plugin = parser.instantiate_classes(cfg).plugin
+    plugin = parser.instantiate(cfg).plugin
     assert plugin.loss_scale == 1024.0 and plugin.scaler_state.config.hysteresis == 3
     assert AdaptiveLossScalingPrecision(config={"init_scale": 256.0}).loss_scale == 256.0
 
