@@ -16,9 +16,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agree, all_finite
+from lightning_hybrid.callbacks._resume_choice import agreed_verdict
 from lightning_hybrid.checkpoint._safe_load import load_payload
+from lightning_hybrid.checkpoint._store import StepFolder, parse_step_name
 
-__all__ = ["NanPolicy", "NanPolicyName", "restore_weights"]
+__all__ = ["NanPolicy", "NanPolicyName", "roll_back"]
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,20 @@ class NanPolicy:
         )
 
 
-def restore_weights(trainer: pl.Trainer, target: Path) -> None:
-    """Model and optimizer state from a checkpoint of this run; the step counter, LR schedule and data go on."""
+def roll_back(trainer: pl.Trainer, target: Path) -> str:
+    """Model and optimizer state from ``target``, a checkpoint of this run (verified again first, with every
+    rank); the step counter, LR schedule and data go on. Returns the checkpoint's folder."""
+    folder_path = target if target.is_dir() else target.parent
+    parsed = parse_step_name(folder_path.name)
+    assert parsed is not None, folder_path
+    why = agreed_verdict(trainer, StepFolder(*parsed, folder_path))
+    if why is not None:
+        raise FloatingPointError(f"FaultTolerantCheckpoint: cannot roll back to {folder_path}: {why}.")
+    _restore_weights(trainer, target)
+    return str(folder_path)
+
+
+def _restore_weights(trainer: pl.Trainer, target: Path) -> None:
     strategy = trainer.strategy
     # the optimizer's state comes back, its hyperparameters (the scheduled LR) stay those of now
     hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]

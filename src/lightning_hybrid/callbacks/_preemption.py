@@ -13,14 +13,18 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 __all__ = [
     "PREEMPTION_EXIT_CODE",
     "PREEMPTION_SAVE_FAILED_EXIT_CODE",
     "SignalFlag",
+    "exit_after_preemption",
     "parse_signals",
     "requeue_slurm_job",
     "under_slurm",
@@ -114,3 +118,21 @@ def requeue_slurm_job() -> bool:
         return False
     log.info(f"FaultTolerantCheckpoint: requeued Slurm job {job}")
     return True
+
+
+def exit_after_preemption(
+    trainer: pl.Trainer, step: int, *, saved: bool, requeue: bool, newest: str, report: Callable[[str], Any]
+) -> NoReturn:
+    """Every rank: exit 75 after a save that succeeded (requeued under Slurm), 74 after one that failed."""
+    if not saved:
+        report(
+            f"FaultTolerantCheckpoint: preemption at step {step}: the save FAILED (see above); the newest valid"
+            f" checkpoint is {newest or 'none'}. Not requeued; exiting with code {PREEMPTION_SAVE_FAILED_EXIT_CODE}."
+        )
+        raise SystemExit(PREEMPTION_SAVE_FAILED_EXIT_CODE)
+    requeued = requeue and trainer.is_global_zero and requeue_slurm_job()
+    rank_zero_info(
+        f"FaultTolerantCheckpoint: saved step {step} after a preemption signal; exiting with code"
+        f" {PREEMPTION_EXIT_CODE}{' (job requeued)' if requeued else ''}."
+    )
+    raise SystemExit(PREEMPTION_EXIT_CODE)

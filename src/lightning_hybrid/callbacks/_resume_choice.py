@@ -14,26 +14,33 @@ checkpoint's size divided by the world size per rank, and one all-reduce per can
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid.callbacks._writer import load_target
 from lightning_hybrid.checkpoint._format import ManifestError, rank_file, read_manifest, verify
+from lightning_hybrid.checkpoint._safe_load import load_payload
 from lightning_hybrid.checkpoint._store import (
     StepFolder,
+    clean_stale,
     foreign_step_entries,
+    parse_step_name,
     point_last,
     pointer_path,
     pointer_target,
+    remove_step_folder,
+    retention,
     step_folders,
 )
 
-__all__ = ["Choice", "agreed_verdict", "answer_last", "choose"]
+__all__ = ["Choice", "ResumeState", "agreed_verdict", "answer_last", "choose"]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +115,181 @@ def choose(trainer: pl.Trainer, root: Path, *, kind: str) -> Choice:
             break
         choice.rejected[folder.path] = why
     return choice
+
+
+class ResumeState:
+    """What this run resumed from and which checkpoints it may count and prune, the same on every rank.
+
+    Args:
+        root: the checkpoint folder.
+        report: where events are reported (once per job).
+    """
+
+    def __init__(self, root: Path, report: Callable[[str], Any]) -> None:
+        self.root, self.report = root, report
+        self.answered = False  # Lightning will load our pointer (ckpt_path="last")
+        self.verified: set[Path] = set()  # folders written by this run or verified at start
+        self.rejected: dict[Path, str] = {}  # folder -> why it was refused
+        self.written: set[Path] = set()  # folders this run completed
+        self.lineage = False  # resumed from this folder: its history is this run's (retention may prune it)
+        self.fresh_start: StepFolder | None = None  # the initial state saved when nothing was valid
+        self.complete_step = -1  # step of the newest complete checkpoint (resumed from or written)
+        self.resumed_from: str | None = None
+
+    def prepare_folder(self, trainer: pl.Trainer) -> None:
+        """Create the folder and remove what interrupted saves left (rank 0); a failure stops every rank."""
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                removed, kept = clean_stale(self.root)
+                if removed:
+                    rank_zero_info(f"FaultTolerantCheckpoint: removed {len(removed)} unfinished save(s) in {self.root}")
+                for path in kept:
+                    self.report(f"FaultTolerantCheckpoint: {path} has no manifest but holds other files; left alone")
+            except OSError as exc:
+                problem = f"cannot use {self.root} as the checkpoint folder: {exc}"
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")
+
+    def answer(self) -> set[str]:
+        """Lightning's "last" lookup (before any process group: every rank runs this)."""
+        try:
+            answer = answer_last(self.root.resolve())
+        except OSError as exc:  # e.g. the folder cannot be read: no answer now, the same error at set-up
+            self.report(f"FaultTolerantCheckpoint: cannot look for checkpoints under {self.root}: {exc}")
+            answer = set()
+        self.answered = bool(answer)
+        return answer
+
+    def agree(self, trainer: pl.Trainer, *, kind: str, save_initial: Callable[[], StepFolder | None]) -> None:
+        """When Lightning will load our pointer: choose, with every rank, what it loads (all ranks call this)."""
+        mine = float(self.answered)
+        most, least = agree([mine, -mine], op="max", device=trainer.strategy.root_device)
+        if most != -least:
+            raise RuntimeError(
+                f"FaultTolerantCheckpoint: some ranks found checkpoints under {self.root} and some did not: the"
+                " folder must be the same shared folder on every node."
+            )
+        if not self.answered:
+            existing = step_folders(self.root)
+            if existing and trainer.is_global_zero:
+                self.report(
+                    f"FaultTolerantCheckpoint: {self.root} holds {len(existing)} checkpoint(s) this run does not"
+                    " resume from; they are left alone (neither loaded, counted nor deleted)."
+                )
+            return
+        choice = choose(trainer, self.root, kind=kind)
+        self.rejected.update(choice.rejected)
+        if trainer.is_global_zero:
+            for name in choice.ignored:
+                self.report(f"FaultTolerantCheckpoint: {self.root / name} is a link or a file, not a step folder")
+            for path, why in sorted(choice.rejected.items(), reverse=True):
+                self.report(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
+        if choice.chosen is None:
+            # Lightning already chose to load the pointer (it resolves "last" before any process group
+            # exists), but nothing under it verifies: give it the initial state, so the run starts fresh
+            self.report(
+                f"FaultTolerantCheckpoint: no valid checkpoint under {self.root}; starting fresh from the initial"
+                " weights (saved as step 0)."
+            )
+            self.fresh_start = save_initial()  # the save moves the pointer
+            if self.fresh_start is None:
+                raise RuntimeError(f"FaultTolerantCheckpoint: cannot write to {self.root} (see the error above).")
+            return
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                self.point_last(choice.chosen)
+            except OSError as exc:
+                problem = f"cannot point {self.root}'s last.ckpt at {choice.chosen.path}: {exc}"
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")  # Lightning would load the wrong one
+
+    def point_last(self, folder: StepFolder) -> None:
+        pointer, taken = pointer_path(self.root)
+        for path in taken:
+            self.report(f"FaultTolerantCheckpoint: {path} was not made by this callback; left alone ({pointer.name})")
+        point_last(pointer, load_target(folder.path))
+
+    def check_loaded(self, trainer: pl.Trainer, ckpt_path: str) -> dict[str, Any] | None:
+        """After Lightning loaded ``ckpt_path``: agree it is the same, valid checkpoint of ours on every rank.
+
+        Returns this rank's state to restore (RNG streams, data position), ``None`` when there is none (not
+        ours, or the initial state of a fresh start). Raises the same error on every rank otherwise."""
+        path = Path(ckpt_path).resolve()
+        folder_path = path if path.is_dir() else path.parent
+        parsed = parse_step_name(folder_path.name) if folder_path.parent == self.root else None
+        # every rank must have loaded the same folder (a stale view of the pointer on one node would not)
+        step, version = parsed or (-1, -1)
+        top = agree([step, version, -step, -version], op="max", device=trainer.strategy.root_device)
+        if (top[0], top[1]) != (-top[2], -top[3]):
+            raise RuntimeError(
+                f"FaultTolerantCheckpoint: the ranks loaded different checkpoints; this rank loaded {path}. A node"
+                f" sees a stale or different copy of {self.root}; relaunch once every node sees the same folder."
+            )
+        if parsed is None:
+            rank_zero_warn(
+                f"FaultTolerantCheckpoint: {ckpt_path} was not written by this callback: no checksums to check,"
+                " and RNG streams and the data position are not restored (resume is not exact)."
+            )
+            return None
+        folder = StepFolder(*parsed, folder_path)
+        why = None if folder.path in self.verified else self.rejected.get(folder.path)
+        if why is None and folder.path not in self.verified:
+            why = agreed_verdict(trainer, folder)  # a specific checkpoint the user asked for
+        if why is not None:
+            raise RuntimeError(f"Refusing to resume from {folder.path}: {why}.")
+        self.verified.add(folder.path)
+        self.complete_step = max(self.complete_step, folder.step)
+        self.lineage = True
+        self.resumed_from = str(path)
+        if self.fresh_start is not None and folder.path == self.fresh_start.path:
+            return None  # the initial state this run just wrote: RNG and data start as in any fresh run
+        rank_zero_info(f"FaultTolerantCheckpoint: resuming from {folder.path}")
+        return _rank_state(trainer, folder)
+
+    def completed(self, folder: StepFolder, *, keep_last: int) -> None:
+        """A checkpoint of this run is complete: count it; on global rank 0 also move the pointer and prune."""
+        self.verified.add(folder.path)
+        self.written.add(folder.path)
+        self.complete_step = max(self.complete_step, folder.step)
+        if rank_zero_only.rank != 0:
+            return
+        try:  # the checkpoint is complete whatever happens here: a failure is reported, never raised
+            self.point_last(folder)
+            # a run that did not resume from this folder leaves the checkpoints it found alone
+            folders = [f for f in step_folders(self.root) if self.lineage or f.path in self.written]
+            for old in retention(folders, verified=self.verified, rejected=set(self.rejected), keep_last=keep_last):
+                if remove_step_folder(old):
+                    self.verified.discard(old.path)
+                else:
+                    self.report(f"FaultTolerantCheckpoint: {old.path} holds files this callback did not write; kept")
+        except OSError as exc:
+            self.report(f"FaultTolerantCheckpoint: after completing {folder.path}: {exc} (pointer or retention)")
+
+
+def _rank_state(trainer: pl.Trainer, folder: StepFolder) -> dict[str, Any] | None:
+    """This rank's RNG streams and data position, from its rank file (verified, listed in the manifest)."""
+    problem, state = None, None
+    try:
+        name = rank_file(trainer.global_rank)
+        if name in read_manifest(folder.path, step=folder.step).files:
+            raw = load_payload(folder.path / name)
+            state = {"rng": raw["rng"], "data": {k: int(v) for k, v in raw["data"].items()}}
+    except Exception as exc:  # agreed below, so that every rank stops together
+        problem = f"{type(exc).__name__}: {exc}"
+    (failed,) = agree([float(problem is not None)], device=trainer.strategy.root_device)
+    if failed:
+        raise RuntimeError(
+            f"FaultTolerantCheckpoint: cannot restore the ranks' RNG streams and data position from {folder.path}"
+            f" ({problem or 'on another rank'})."
+        )
+    if state is None:
+        rank_zero_warn(
+            f"FaultTolerantCheckpoint: {folder.path} was written by fewer ranks; ranks beyond those start fresh RNG"
+            " streams (the data position is restored on every rank)."
+        )
+    return state

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,32 +32,21 @@ from lightning_hybrid._lightning_compat import LastCheckpointLookup
 from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteSteps
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._validate import check_bool, check_choice, check_int, check_number
-from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName, restore_weights
+from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName, roll_back
 from lightning_hybrid.callbacks._preemption import (
     PREEMPTION_EXIT_CODE,
     PREEMPTION_SAVE_FAILED_EXIT_CODE,
     SignalFlag,
+    exit_after_preemption,
     parse_signals,
-    requeue_slurm_job,
     under_slurm,
 )
 from lightning_hybrid.callbacks._resume import capture_rng, restore_rng
-from lightning_hybrid.callbacks._resume_choice import agreed_verdict, answer_last, choose
+from lightning_hybrid.callbacks._resume_choice import ResumeState
 from lightning_hybrid.callbacks._samplers import SamplerOwner
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
 from lightning_hybrid.callbacks._writer import CheckpointWriter, load_target
-from lightning_hybrid.checkpoint._format import rank_file, read_manifest
-from lightning_hybrid.checkpoint._safe_load import load_payload
-from lightning_hybrid.checkpoint._store import (
-    StepFolder,
-    clean_stale,
-    parse_step_name,
-    point_last,
-    pointer_path,
-    remove_step_folder,
-    retention,
-    step_folders,
-)
+from lightning_hybrid.checkpoint._store import StepFolder
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "PREEMPTION_SAVE_FAILED_EXIT_CODE", "FaultTolerantCheckpoint"]
 
@@ -168,19 +157,12 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         self._writer: CheckpointWriter | None = None
         self._watchdog: Watchdog | None = None
         self._ckpt_group: dist.ProcessGroup | None = None
-        self._verified: set[Path] = set()  # folders written by this run or verified at start
-        self._rejected: dict[Path, str] = {}  # folder -> why it was refused
-        self._answered_last = False  # Lightning will load our pointer (ckpt_path="last")
-        self._complete_step = -1  # step of the newest complete checkpoint (resumed from or written)
+        self._resume = ResumeState(self._root, report=_event)
         self._last_saved_step = -1  # step of the newest save started
         self._last_save_time = time.monotonic()
         self._seen_step = -1
         self._preempting = False
         self._resume_rng: dict[str, Any] | None = None
-        self._rank = 0
-        self._fresh_start: StepFolder | None = None  # the initial state saved when nothing was valid
-        self._lineage = False  # resumed from this folder: its history is this run's (retention may prune it)
-        self._written: set[Path] = set()  # folders this run completed
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -220,39 +202,18 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
 
     @override
     def resolve_last(self, trainer: pl.Trainer) -> set[str]:
-        # before any process group: the pointer, (re)made when step folders exist but it was lost
-        try:
-            answer = answer_last(self._root.resolve())
-        except OSError as exc:  # e.g. the folder cannot be read: no answer now, the same error at set-up
-            _event(f"FaultTolerantCheckpoint: cannot look for checkpoints under {self._root}: {exc}")
-            answer = set()
-        self._answered_last = bool(answer)
-        return answer
+        return self._resume.answer()  # before any process group: the pointer, remade if it was lost
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # resolved: a link in dirpath must not make the checkpoints Lightning loads look like someone else's
         root = Path(trainer.strategy.broadcast(str(self._root.resolve())))
-        self._root = root
+        self._root = self._resume.root = root
         self.dirpath = str(root)
         if stage != "fit":
             return
-        self._rank = trainer.global_rank
         self._flag.install()  # from here on a signal is honoured at the next batch boundary
-        problem = None
-        if trainer.is_global_zero:
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-                removed, kept = clean_stale(root)
-                if removed:
-                    rank_zero_info(f"FaultTolerantCheckpoint: removed {len(removed)} unfinished save(s) under {root}")
-                for path in kept:
-                    _event(f"FaultTolerantCheckpoint: {path} has no manifest but holds files it did not write; left")
-            except OSError as exc:
-                problem = f"cannot use {root} as the checkpoint folder: {exc}"
-        problem = trainer.strategy.broadcast(problem)
-        if problem:
-            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")
+        self._resume.prepare_folder(trainer)
         sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         if self.async_save and sharded and distributed_ready():
             # DCP's collectives run in the writer thread: give them their own group, away from training's
@@ -266,61 +227,11 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             on_complete=self._on_complete,
             report=_event,
         )
-        self._agree_on_resume(trainer)
-
-    def _agree_on_resume(self, trainer: pl.Trainer) -> None:
-        """When Lightning will load our pointer (``ckpt_path="last"``): choose, with every rank, what it loads."""
-        mine = float(self._answered_last)
-        most, least = agree([mine, -mine], op="max", device=trainer.strategy.root_device)
-        if most != -least:
-            raise RuntimeError(
-                f"FaultTolerantCheckpoint: some ranks found checkpoints under {self._root} and some did not: the"
-                " folder must be the same shared folder on every node."
-            )
-        if not self._answered_last:
-            existing = [f.name for f in step_folders(self._root)]
-            if existing and trainer.is_global_zero:
-                _event(
-                    f"FaultTolerantCheckpoint: {self._root} holds {len(existing)} checkpoint(s) this run does not"
-                    " resume from; they are left alone (neither loaded, counted nor deleted)."
-                )
-            return
-        expected = "sharded" if isinstance(trainer.strategy, ModelParallelStrategy) else "file"
-        choice = choose(trainer, self._root, kind=expected)
-        self._rejected.update(choice.rejected)
-        if trainer.is_global_zero:
-            for name in choice.ignored:
-                _event(f"FaultTolerantCheckpoint: {self._root / name} is a link or a file, not a step folder; ignored")
-            for path, why in sorted(choice.rejected.items(), reverse=True):
-                _event(f"FaultTolerantCheckpoint: skipping checkpoint {path}: {why}")
-        if choice.chosen is None:
-            # Lightning already chose to load the pointer (it resolves "last" before any process group
-            # exists), but nothing under it verifies: give it the initial state, so the run starts fresh
-            _event(
-                f"FaultTolerantCheckpoint: no valid checkpoint under {self._root}; starting fresh from the"
-                " initial weights (saved as step 0)."
-            )
-            self._fresh_start = self._save(trainer, 0, background=False)
-            if self._fresh_start is None:
-                raise RuntimeError(f"FaultTolerantCheckpoint: cannot write to {self._root} (see the error above).")
-            return  # the save moved the pointer
-        problem = None
-        if trainer.is_global_zero:
-            try:
-                self._point_last(choice.chosen)
-            except OSError as exc:
-                problem = f"cannot point {self._root}'s last.ckpt at {choice.chosen.path}: {exc}"
-        problem = trainer.strategy.broadcast(problem)
-        if problem:
-            raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")  # Lightning would load the wrong one
-
-    def _point_last(self, folder: StepFolder) -> None:
-        pointer, taken = pointer_path(self._root)
-        for path in taken:
-            _event(
-                f"FaultTolerantCheckpoint: {path} was not made by this callback; left alone (pointer: {pointer.name})"
-            )
-        point_last(pointer, load_target(folder.path))
+        self._resume.agree(
+            trainer,
+            kind="sharded" if sharded else "file",
+            save_initial=lambda: self._save(trainer, 0, background=False),
+        )
 
     @override
     def on_load_checkpoint(
@@ -328,63 +239,11 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
     ) -> None:
         if not trainer.ckpt_path:
             return
-        path = Path(trainer.ckpt_path).resolve()
-        folder_path = path if path.is_dir() else path.parent
-        parsed = parse_step_name(folder_path.name) if folder_path.parent == self._root else None
-        # every rank must have loaded the same folder (a stale view of the pointer on one node would not)
-        step, version = parsed or (-1, -1)
-        hi_step, hi_version, lo_step, lo_version = agree(
-            [step, version, -step, -version], op="max", device=trainer.strategy.root_device
-        )
-        if (hi_step, hi_version) != (-lo_step, -lo_version):
-            raise RuntimeError(
-                f"FaultTolerantCheckpoint: the ranks loaded different checkpoints; this rank loaded {path}. A node"
-                f" sees a stale or different copy of {self._root}; relaunch once every node sees the same folder."
-            )
-        if parsed is None:
-            rank_zero_warn(
-                f"FaultTolerantCheckpoint: {trainer.ckpt_path} was not written by this callback: no checksums to"
-                " check, and RNG streams and the data position are not restored (resume is not exact)."
-            )
-            return
-        folder = StepFolder(*parsed, folder_path)
-        why = None if folder.path in self._verified else self._rejected.get(folder.path)
-        if why is None and folder.path not in self._verified:
-            why = agreed_verdict(trainer, folder)  # a specific checkpoint the user asked for
-        if why is not None:
-            raise RuntimeError(f"Refusing to resume from {folder.path}: {why}.")
-        self._verified.add(folder.path)
-        self._complete_step = max(self._complete_step, folder.step)
-        self._lineage = True  # this run continues the folder's history: its older checkpoints are ours to prune
-        self.resumed_from = str(path)
-        if self._fresh_start is not None and folder.path == self._fresh_start.path:
-            return  # the initial state this run just wrote: RNG and data start as in any fresh run
-        self._restore_rank_state(trainer, folder)
-        rank_zero_info(f"FaultTolerantCheckpoint: resuming from {folder.path}")
-
-    def _restore_rank_state(self, trainer: pl.Trainer, folder: StepFolder) -> None:
-        """This rank's RNG streams and data position, from its rank file (verified, listed in the manifest)."""
-        problem, state = None, None
-        try:
-            name = rank_file(trainer.global_rank)
-            if name in read_manifest(folder.path, step=folder.step).files:
-                state = load_payload(folder.path / name)
-                rng, data = state["rng"], {k: int(v) for k, v in state["data"].items()}
-        except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        (failed,) = agree([float(problem is not None)], device=trainer.strategy.root_device)
-        if failed:
-            raise RuntimeError(
-                f"FaultTolerantCheckpoint: cannot restore the ranks' RNG streams and data position from {folder.path}"
-                f" ({problem or 'on another rank'})."
-            )
-        if state is None:
-            rank_zero_warn(
-                f"FaultTolerantCheckpoint: {folder.path} was written by fewer ranks; ranks beyond those start"
-                " fresh RNG streams (the data position is restored on every rank)."
-            )
-            return
-        self._resume_rng, self._samplers.resume_at = rng, data
+        state = self._resume.check_loaded(trainer, str(trainer.ckpt_path))
+        if self._resume.resumed_from is not None:
+            self.resumed_from = self._resume.resumed_from
+        if state is not None:
+            self._resume_rng, self._samplers.resume_at = state["rng"], state["data"]
 
     # ---------------------------------------------------------------------------------- training start
 
@@ -555,25 +414,9 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             return None if background else self._writer.finish(trainer)
 
     def _on_complete(self, folder: StepFolder) -> None:
-        """Every rank, once a checkpoint is complete: remember it; rank 0 moves the pointer and prunes."""
-        self._verified.add(folder.path)
-        self._written.add(folder.path)
-        self._complete_step = max(self._complete_step, folder.step)
+        """Every rank, once a checkpoint is complete (rank 0 also moves the pointer and prunes old ones)."""
         self.last_model_path = str(load_target(folder.path))
-        if self._rank != 0:
-            return
-        try:  # the checkpoint is complete whatever happens here: a failure is reported, never raised
-            self._point_last(folder)
-            # a run that did not resume from this folder leaves the checkpoints it found alone
-            folders = [f for f in step_folders(self._root) if self._lineage or f.path in self._written]
-            doomed = retention(folders, verified=self._verified, rejected=set(self._rejected), keep_last=self.keep_last)
-            for old in doomed:
-                if remove_step_folder(old):
-                    self._verified.discard(old.path)
-                else:
-                    _event(f"FaultTolerantCheckpoint: {old.path} holds files this callback did not write; not removed")
-        except OSError as exc:
-            _event(f"FaultTolerantCheckpoint: after completing {folder.path}: {exc} (pointer or retention)")
+        self._resume.completed(folder, keep_last=self.keep_last)
 
     # ---------------------------------------------------------------------------- failures and policy
 
@@ -581,18 +424,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         assert self._writer is not None
         with self._io():
             self._writer.finish(trainer)
-            if not self.last_model_path:
-                return None
-            target = Path(self.last_model_path)
-            folder_path = target if target.is_dir() else target.parent
-            parsed = parse_step_name(folder_path.name)
-            assert parsed is not None
-            # written by this run or verified at start; checked again, since it is about to be loaded
-            why = agreed_verdict(trainer, StepFolder(*parsed, folder_path))
-            if why is not None:
-                raise FloatingPointError(f"FaultTolerantCheckpoint: cannot roll back to {folder_path}: {why}.")
-            restore_weights(trainer, target)
-        return str(folder_path)
+            return roll_back(trainer, Path(self.last_model_path)) if self.last_model_path else None
 
     def _announce_preemption(self) -> None:
         if not self._preempting:
@@ -600,26 +432,14 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             rank_zero_info("FaultTolerantCheckpoint: preemption signal received; saving at the next step boundary")
 
     def _preempt(self, trainer: pl.Trainer, step: int) -> None:
-        """Save what is not saved yet, requeue, exit: 75 when the newest work is on disk, 74 when it is not."""
+        """Save what is not saved yet, then exit: 75 (requeued) when the newest work is on disk, 74 when not."""
         assert self._writer is not None
         with self._io():
             saved = True
             if self._writer.pending is not None:
                 saved = self._writer.finish(trainer) is not None
-            if step > 0 and (step > self._complete_step or not saved):
+            if step > 0 and (step > self._resume.complete_step or not saved):
                 saved = self._save(trainer, step, background=False) is not None
         self._shutdown()
-        if not saved:
-            newest = self.last_model_path or "none"
-            _event(
-                f"FaultTolerantCheckpoint: preemption at step {step}: the save FAILED (see above); the newest valid"
-                f" checkpoint is {newest}. Not requeued; exiting with code {PREEMPTION_SAVE_FAILED_EXIT_CODE}."
-            )
-            raise SystemExit(PREEMPTION_SAVE_FAILED_EXIT_CODE)
         requeue = self.requeue if self.requeue is not None else under_slurm()
-        requeued = requeue and trainer.is_global_zero and requeue_slurm_job()
-        rank_zero_info(
-            f"FaultTolerantCheckpoint: saved step {step} after a preemption signal; exiting with code"
-            f" {PREEMPTION_EXIT_CODE}{' (job requeued)' if requeued else ''}."
-        )
-        raise SystemExit(PREEMPTION_EXIT_CODE)
+        exit_after_preemption(trainer, step, saved=saved, requeue=requeue, newest=self.last_model_path, report=_event)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 __all__ = [
+    "PRESETS",
     "SCHEDULES",
     "check_choices",
     "Layout",
@@ -54,6 +55,20 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zbv_zero_bubble": ScheduleSpec("ZBVZeroBubble", True, "v", 2, True, True),
     "dualpipev": ScheduleSpec("DualPipeV", True, "v", 2, True, True),
 }
+
+
+# registered strategy names: (name, description, constructor arguments)
+PRESETS: list[tuple[str, str, dict[str, object]]] = [
+    ("hybrid", "Pipeline x ZeRO hybrid parallelism (defaults: no pipeline, ZeRO-0)", {}),
+    ("hybrid_zero1", "Data parallel with ZeRO-1 (optimizer state sharded)", {"zero_stage": 1}),
+    ("hybrid_zero2", "Data parallel with ZeRO-2 (+ gradients sharded)", {"zero_stage": 2}),
+    ("hybrid_zero3", "Data parallel with ZeRO-3 (+ parameters sharded, FSDP2)", {"zero_stage": 3}),
+    (
+        "hybrid_pipeline",
+        "One 1F1B pipeline stage per node, ZeRO-1 inside each node",
+        {"pipeline_parallel_size": "auto", "zero_stage": 1},
+    ),
+]
 
 
 @dataclass(frozen=True)

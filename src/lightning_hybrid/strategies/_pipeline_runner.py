@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_hybrid._protocols import PipelineLossScaling
 from lightning_hybrid.strategies._layout import SCHEDULES, Layout
 from lightning_hybrid.strategies._pipeline import build_schedule
 
-__all__ = ["PipelineRunner"]
+__all__ = ["PipelineRunner", "pipeline_loss_scaling"]
 
 
 class PipelineRunner:
@@ -149,3 +150,18 @@ class PipelineRunner:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         output = self.schedule.eval(inputs)
         return self.last_stage_output_everywhere(output if self.holds_last_stage else None)
+
+
+def pipeline_loss_scaling(plugin: Precision) -> PipelineLossScaling | None:
+    """The plugin that scales each micro-batch loss of an fp16 pipeline (its skip decision must be one for all
+    stages), or ``None`` when the precision does not scale losses. Raises for an fp16 plugin that cannot."""
+    if plugin.precision not in ("16-mixed", "16"):
+        return None
+    if isinstance(plugin, PipelineLossScaling):
+        return plugin
+    raise ValueError(
+        "fp16 loss scaling with a pipeline needs one skip decision for all stages and a plugin that scales each"
+        f" micro-batch loss; {type(plugin).__name__} does neither. Use"
+        " plugins=[lightning_hybrid.plugins.AdaptiveLossScalingPrecision(precision='16-mixed')] or"
+        " precision='bf16-mixed'."
+    )

@@ -30,15 +30,21 @@ from typing_extensions import override
 
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
-from lightning_hybrid._protocols import PipelineLossScaling
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._fsdp import shard_fully
 from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync, named_parameters
-from lightning_hybrid.strategies._layout import Layout, PipelineSplit, ScheduleName, check_choices, resolve_layout
+from lightning_hybrid.strategies._layout import (
+    PRESETS,
+    Layout,
+    PipelineSplit,
+    ScheduleName,
+    check_choices,
+    resolve_layout,
+)
 from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module
-from lightning_hybrid.strategies._pipeline_runner import PipelineRunner
+from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies._state import load_sharded_checkpoint, model_state, optimizer_state
 
 __all__ = ["HybridParallelStrategy"]
@@ -120,18 +126,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets: list[tuple[str, str, dict[str, Any]]] = [
-            ("hybrid", "Pipeline x ZeRO hybrid parallelism (defaults: no pipeline, ZeRO-0)", {}),
-            ("hybrid_zero1", "Data parallel with ZeRO-1 (optimizer state sharded)", {"zero_stage": 1}),
-            ("hybrid_zero2", "Data parallel with ZeRO-2 (+ gradients sharded)", {"zero_stage": 2}),
-            ("hybrid_zero3", "Data parallel with ZeRO-3 (+ parameters sharded, FSDP2)", {"zero_stage": 3}),
-            (
-                "hybrid_pipeline",
-                "One 1F1B pipeline stage per node, ZeRO-1 inside each node",
-                {"pipeline_parallel_size": "auto", "zero_stage": 1},
-            ),
-        ]
-        for name, description, kwargs in presets:
+        for name, description, kwargs in PRESETS:
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
@@ -253,7 +248,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         loss_scaling = None
         if layout.pipeline_parallel_size > 1:
             check_pipeline_contract(module)
-            loss_scaling = self._pipeline_loss_scaling()
+            loss_scaling = pipeline_loss_scaling(self.precision_plugin)
             stage_ids, stages, ranges = split_module(
                 module,
                 layout=layout,
@@ -288,21 +283,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             device=self.root_device,
             data_parallel_group=self.data_parallel_group,
             pipeline_group=self.pipeline_group,
-        )
-
-    def _pipeline_loss_scaling(self) -> Union[PipelineLossScaling, None]:
-        """The plugin that scales each micro-batch loss for an fp16 pipeline (its skip decision must be one
-        for all stages), or ``None`` when the precision does not scale losses."""
-        plugin = self.precision_plugin
-        if plugin.precision not in ("16-mixed", "16"):
-            return None
-        if isinstance(plugin, PipelineLossScaling):
-            return plugin
-        raise ValueError(
-            "fp16 loss scaling with a pipeline needs one skip decision for all stages and a plugin that scales"
-            f" each micro-batch loss; {type(plugin).__name__} does neither. Use"
-            " plugins=[lightning_hybrid.plugins.AdaptiveLossScalingPrecision(precision='16-mixed')] or"
-            " precision='bf16-mixed'."
         )
 
     def _connect_precision(self) -> None:
