@@ -14,6 +14,7 @@ __all__ = [
     "PRESETS",
     "SCHEDULES",
     "check_choices",
+    "last_stage_rank",
     "Layout",
     "PipelineSplit",
     "ScheduleName",
@@ -272,6 +273,12 @@ def stage_ids_on_rank(pp_rank: int, layout: Layout) -> list[int]:
     if SCHEDULES[layout.schedule].style == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(spr)]
+
+
+def last_stage_rank(layout: Layout) -> int:
+    """The pipeline rank that runs the last stage (where the outputs and the loss exist)."""
+    last = layout.num_stages - 1
+    return next(r for r in range(layout.pipeline_parallel_size) if last in stage_ids_on_rank(r, layout))
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_hybrid._protocols import PipelineLossScaling
-from lightning_hybrid.strategies._layout import SCHEDULES, Layout
+from lightning_hybrid.strategies._layout import Layout, last_stage_rank
 from lightning_hybrid.strategies._pipeline import build_schedule
 
 __all__ = ["PipelineRunner", "pipeline_loss_scaling"]
@@ -132,11 +132,8 @@ class PipelineRunner:
 
     def last_stage_output_everywhere(self, output: Any) -> Tensor:
         """The last stage's output on every pipeline rank (metrics update, and sync, everywhere)."""
-        src = (self.layout.num_stages - 1) % self.layout.pipeline_parallel_size
-        if SCHEDULES[self.layout.schedule].style == "v":
-            src = 0
         obj = [None if output is None else output.detach().cpu()]
-        dist.broadcast_object_list(obj, group=self.group, group_src=src)
+        dist.broadcast_object_list(obj, group=self.group, group_src=last_stage_rank(self.layout))
         return obj[0].to(self.device)
 
     def eval_step(self, batch: Any, batch_idx: int, *, user_hook: Callable[..., Any] | None) -> tuple[Tensor, Any]:

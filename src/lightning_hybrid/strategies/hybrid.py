@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -112,6 +112,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
         prepare_elastic_restart()  # a torchrun-restarted worker needs a clean store for its process group
         self._pipeline_parallel_size = pipeline_parallel_size
+        self._data_parallel_request = data_parallel_size
         self._zero_stage = zero_stage
         self._schedule_name = schedule
         self._num_microbatches = num_microbatches
@@ -119,6 +120,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._split = split
         self._activation_checkpointing = activation_checkpointing
         self._layout: Union[Layout, None] = None
+        self._mesh: Union[DeviceMesh, None] = None
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
         self._sync: Union[GradientSync, None] = None
         self._prepared_module: Union[nn.Module, None] = None
@@ -137,6 +139,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._layout is None:
             raise RuntimeError("The layout is known once the processes are initialised (setup_environment).")
         return self._layout
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pipeline_parallel, data_parallel)`` mesh, known once the processes are initialised."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is known once the processes are initialised (setup_environment).")
+        return self._mesh
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup:
@@ -202,20 +212,20 @@ class HybridParallelStrategy(ModelParallelStrategy):
             world_size=self.world_size,
             num_nodes=self.num_nodes,
             pipeline_parallel_size=self._pipeline_parallel_size,
-            data_parallel_size=self._data_parallel_size,
+            data_parallel_size=self._data_parallel_request,
             zero_stage=self._zero_stage,
             schedule=self._schedule_name,
             stages_per_rank=self._stages_per_rank,
             num_microbatches=self._num_microbatches,
         )
         # row-major (pp, dp): data-parallel peers get adjacent global ranks, i.e. the same node
-        self._device_mesh = init_device_mesh(
+        self._mesh = init_device_mesh(
             self.root_device.type,
             (lay.pipeline_parallel_size, lay.data_parallel_size),
             mesh_dim_names=(PP_AXIS, DP_AXIS),
         )
         assert self.lightning_module is not None
-        attach_device_mesh(self.lightning_module, self._device_mesh)
+        attach_device_mesh(self.lightning_module, self._mesh)
         pipeline = f", schedule={lay.schedule}, stages={lay.num_stages}, num_microbatches={lay.num_microbatches}"
         rank_zero_info(
             f"HybridParallelStrategy: pipeline_parallel_size={lay.pipeline_parallel_size},"
