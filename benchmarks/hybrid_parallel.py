@@ -95,9 +95,7 @@ def worker(cfg: dict[str, Any]) -> None:
 
         class Instrument(L.Callback):
             def on_fit_start(self, trainer, pl_module):
-                sched = trainer.strategy._schedule
-                stages = getattr(sched, "_stages", None) or [sched._stage]
-                for st in stages:
+                for st in trainer.strategy.pipeline_runner.stages:
                     st.forward_one_chunk = timed("F", st.forward_one_chunk)
                     st.backward_one_chunk = timed("B", st.backward_one_chunk)
                     st.backward_weight_one_chunk = timed("W", st.backward_weight_one_chunk)

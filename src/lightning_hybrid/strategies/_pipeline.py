@@ -107,7 +107,7 @@ def build_schedule(
     device: torch.device,
     group: dist.ProcessGroup,
     loss_fn: Callable[[Any, Tensor], Tensor],
-) -> Any:
+) -> tuple[Any, list[PipelineStage]]:
     """Wrap the local stage modules in ``PipelineStage`` objects and build the named torch schedule."""
     spec = SCHEDULES[layout.schedule]
     stages = [
@@ -117,4 +117,5 @@ def build_schedule(
     schedule_class = get_schedule_class(spec.torch_name)
     target = stages if spec.multi_stage else stages[0]
     # scale_grads=True with a mean loss per micro-batch gives the gradient of the batch mean
-    return schedule_class(target, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    schedule = schedule_class(target, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return schedule, stages

@@ -53,7 +53,7 @@ class PipelineRunner:
         self.stage_ids, self.stage_modules = stage_ids, stage_modules
         self.loss_scaling = loss_scaling
         self.holds_last_stage = (layout.num_stages - 1) in stage_ids
-        self.schedule = build_schedule(
+        self.schedule, self.stages = build_schedule(
             layout=layout,
             stage_ids=stage_ids,
             stage_modules=stage_modules,

@@ -169,6 +169,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         return self._layout is not None and self._layout.pipeline_parallel_size > 1
 
     @property
+    def pipeline_runner(self) -> Union[PipelineRunner, None]:
+        """This rank's stages, schedule and their runner (``None`` without a pipeline)."""
+        return self._runner
+
+    @property
     def holds_last_stage(self) -> bool:
         """Whether this rank runs the last pipeline stage (where outputs and the loss exist)."""
         return self._runner is None or self._runner.holds_last_stage
