@@ -85,10 +85,10 @@ def test_killed_mid_window_resumes_the_schedule_exactly(tmp_path):
 
 def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharded(tmp_path):
     """The adaptive unit measures the same noise scale under DDP and under HybridParallelStrategy dp2 with
-    ZeRO-0 / 1 / 2 (the big-batch norm is summed over disjoint shards, not divided by the replicas). Under
-    ZeRO-3 every backward already averages over the replicas, so its small batch is the global micro-batch:
-    it must match one process that takes that global micro-batch (the same samples: the sampler's order is
-    strided over the ranks) with the same K."""
+    ZeRO-0 / 1 / 2 reducing once per step (the big-batch norm is summed over disjoint shards, not divided by
+    the replicas). Under ZeRO-3, and ZeRO-2 reducing every micro-batch, every backward already averages over
+    the replicas, so the small batch is the global micro-batch: it must match one process that takes that
+    global micro-batch (the same samples: the sampler's order is strided over the ranks) with the same K."""
 
     def run(name: str, strategy: dict, nproc: int, batch: int) -> dict:
         cfg = {
@@ -106,14 +106,18 @@ def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharde
         assert states[0]["count"] == 6
         return states[0]
 
-    def hybrid(zero_stage: int) -> dict:
-        return {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": zero_stage}}
+    def hybrid(zero_stage: int, **zero: str) -> dict:
+        kwargs = {"pipeline_parallel_size": 1, "zero_stage": zero_stage, "zero": zero}
+        return {"name": "hybrid_class", "kwargs": kwargs}
 
     ddp = run("ddp", {"name": "ddp"}, 2, 4)
-    for z in (0, 1, 2):
-        zero = run(f"zero{z}", hybrid(z), 2, 4)
+    for z, zero in ((0, {}), (1, {}), (2, {"reduce_gradients": "once_per_step"})):
+        measured = run(f"zero{z}", hybrid(z, **zero), 2, 4)
         for key in ("g2", "trace"):
-            assert zero[key] == pytest.approx(ddp[key], rel=1e-4), (z, key, zero, ddp)
-    zero3, single = run("zero3", hybrid(3), 2, 4), run("single", {"name": "ddp"}, 1, 8)
-    for key in ("g2", "trace"):
-        assert zero3[key] == pytest.approx(single[key], rel=1e-4), (key, zero3, single)
+            assert measured[key] == pytest.approx(ddp[key], rel=1e-4), (z, key, measured, ddp)
+    # ZeRO-3, and ZeRO-2 reducing every micro-batch: the first micro-batch's gradient is the replicas' mean
+    single = run("single", {"name": "ddp"}, 1, 8)
+    for name, strategy in (("zero3", hybrid(3)), ("zero2-every-microbatch", hybrid(2))):
+        measured = run(name, strategy, 2, 4)
+        for key in ("g2", "trace"):
+            assert measured[key] == pytest.approx(single[key], rel=1e-4), (name, key, measured, single)

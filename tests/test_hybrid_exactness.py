@@ -25,11 +25,15 @@ def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1
     job = launch("train_gpt.py", cfg, nproc=nproc, nnodes=nnodes)
     ref_losses, ref_weights = reference_run(BASE, steps=STEPS, accumulate=accumulate, clip=clip)
     losses = [job.rank(r)["losses"] for r in range(nproc)]
-    # the strategy returns the step's mean loss, identical on every rank
-    for r in range(1, nproc):
-        assert losses[r] == losses[0], f"rank {r} reported {losses[r]}, rank 0 {losses[0]}"
+    if kwargs.get("pipeline_parallel_size", 1) > 1:
+        # the strategy returns the step's mean loss, identical on every rank
+        for r in range(1, nproc):
+            assert losses[r] == losses[0], f"rank {r} reported {losses[r]}, rank 0 {losses[0]}"
+        step_losses = torch.tensor(losses[0])
+    else:  # no pipeline: each rank's own loss, as under DDP; their mean is the global batch's
+        step_losses = torch.tensor(losses).mean(dim=0)
     # Lightning hands `on_train_batch_end` the loss divided by accumulate_grad_batches, as under DDP
-    reported = torch.tensor(losses[0]) * accumulate
+    reported = step_losses * accumulate
     torch.testing.assert_close(reported, torch.tensor(ref_losses), rtol=0, atol=1e-5)
     weights = torch.load(tmp_path / "weights.pt")
     assert weights.keys() == ref_weights.keys()
@@ -80,6 +84,27 @@ def test_accumulation_clipping_and_activation_checkpointing_match(tmp_path):
         "num_microbatches": 2,
         "activation_checkpointing": True,
     }
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("pipeline", "zero_stage", "zero"),
+    [
+        # buckets of a few thousand elements: many of them, some split between two ranks' shards
+        (1, 2, {"reduce_gradients": "every_microbatch", "bucket_size_mb": 0.02}),
+        (2, 2, {"reduce_gradients": "once_per_step"}),
+        (2, 1, {}),
+        (2, 3, {"reshard_after_forward": False}),
+    ],
+    ids=["zero2-buckets-dp4", "zero2-once-per-step", "zero1-flat-gradients", "zero3-no-reshard"],
+)
+def test_zero_gradient_reduction_settings_are_exact_with_accumulation(tmp_path, pipeline, zero_stage, zero):
+    """Gradients reduced bucket by bucket during backward, once per step, or kept in place: all exact."""
+    kwargs = {"pipeline_parallel_size": pipeline, "zero_stage": zero_stage, "zero": zero}
+    if pipeline > 1:
+        kwargs["num_microbatches"] = 2
     trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
     _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
 

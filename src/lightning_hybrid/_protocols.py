@@ -45,3 +45,7 @@ class ReportsGradientLayout(Protocol):
     def gradient_layout(self) -> tuple[int, bool]:
         """(ranks holding each gradient element, whether every backward already averaged over replicas)."""
         ...
+
+    def current_gradients(self, module: Any) -> list[Tensor]:
+        """This rank's part of the gradient accumulated so far in the accumulation window."""
+        ...

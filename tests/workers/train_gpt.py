@@ -13,7 +13,7 @@ import torch
 from common import ExactDataModule, build_model, rank, write_report
 from lightning.pytorch.callbacks import Callback
 
-from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit
+from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit, ZeroConfig
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 
@@ -32,6 +32,8 @@ def make_strategy(spec: dict[str, Any]) -> Any:
     kwargs = dict(spec.get("kwargs", {}))
     if "split" in kwargs:
         kwargs["split"] = PipelineSplit(**kwargs["split"])
+    if "zero" in kwargs:
+        kwargs["zero"] = ZeroConfig(**kwargs["zero"])
     return HybridParallelStrategy(**kwargs)
 
 

@@ -165,7 +165,7 @@ class AccumulationScheduler(Callback):
         # during accumulation DDP does not synchronise: after the window's first backward the gradient is
         # this rank's first micro-batch gradient divided by K (the noise scale's small batch)
         if self.unit == "adaptive" and self._in_window == 1 and self.k > 1:
-            self._small_sq = _local_sq_norm(pl_module) * self.k**2
+            self._small_sq = _sq_norm(_current_gradients(trainer, pl_module)) * self.k**2
 
     @override
     def on_before_optimizer_step(
@@ -276,5 +276,9 @@ def _sq_norm(grads: Iterable[Tensor]) -> float:
     return total
 
 
-def _local_sq_norm(module: pl.LightningModule) -> float:
-    return _sq_norm(p.grad for p in module.parameters() if p.grad is not None)
+def _current_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> list[Tensor]:
+    """This rank's part of the gradient accumulated so far in the window."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ReportsGradientLayout):
+        return strategy.current_gradients(module)  # e.g. ZeRO-2 has handed the model's gradients off already
+    return [p.grad for p in module.parameters() if p.grad is not None]

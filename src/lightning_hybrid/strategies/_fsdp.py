@@ -7,27 +7,46 @@ gathered in bf16 and gradients reduced in fp32, the usual FSDP recipe.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_fully"]
+__all__ = ["ShardingPlan", "shard_fully"]
 
 
-def shard_fully(module: nn.Module, *, stages: list[nn.Module] | None, mesh: DeviceMesh, bf16: bool) -> None:
+class ShardingPlan:
+    """How this job shards a block: the mesh, the mixed-precision policy, when to reshard.
+
+    ``reshard_after_forward``: free a block's gathered parameters after its forward (gather them again for
+    backward and for every pipeline micro-batch), or keep them gathered until the step ends."""
+
+    def __init__(self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool) -> None:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        self.kwargs: dict[str, Any] = {
+            "mesh": mesh,
+            "mp_policy": policy or MixedPrecisionPolicy(),
+            "reshard_after_forward": reshard_after_forward,
+        }
+
+    def shard(self, unit: nn.Module) -> None:
+        if not isinstance(unit, FSDPModule):  # a block sharded as soon as it was materialised stays as it is
+            fully_shard(unit, **self.kwargs)
+
+
+def shard_fully(module: nn.Module, *, stages: list[nn.Module] | None, plan: ShardingPlan) -> None:
     """Shard ``module`` in place: the blocks of each pipeline stage, or of ``module.layers`` without one."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs = {"mesh": mesh, "mp_policy": policy or MixedPrecisionPolicy(), "reshard_after_forward": True}
     if stages:
         for stage in stages:
             for block in stage.blocks:
-                fully_shard(block, **kwargs)
-            fully_shard(stage, **kwargs)
+                plan.shard(block)
+            plan.shard(stage)
         return
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
     units = list(layers.children()) if layers is not None else list(module.children())
     for unit in units:
         if any(p.requires_grad for p in unit.parameters()):
-            fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
+            plan.shard(unit)
+    plan.shard(module)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid.strategies._layout import ZeroConfig
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
 
 __all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "ShardedOptimizerGradients", "gradient_sync"]
@@ -43,8 +44,19 @@ class GradientSync:
         self.data_parallel_group, self.pipeline_group = data_parallel_group, pipeline_group
         self.data_parallel_size = dist.get_world_size(data_parallel_group)
 
+    # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
+    # between a pipeline's training_step and backward: then the pipeline runner sets them aside
+    optimizer_holds_model_parameters = True
+
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
         """Take charge of the optimizers (before their first step)."""
+
+    def after_backward(self) -> None:
+        """A backward (one micro-batch) finished."""
+
+    def current_gradients(self, module: nn.Module) -> list[Tensor]:
+        """This rank's part of the gradient accumulated so far in the window (for the noise scale)."""
+        return [p.grad for p in module.parameters() if p.grad is not None]
 
     def reduce(self, optimizer: Optimizer) -> None:
         pass
@@ -109,18 +121,37 @@ class ReplicatedGradients(GradientSync):
 class ShardedOptimizerGradients(GradientSync):
     """ZeRO-1/2: each rank's optimizer steps its flat shard; see :class:`FlatShardedOptimizer`."""
 
-    averaged_every_backward = False
+    optimizer_holds_model_parameters = False  # it holds the flat shards
 
-    def __init__(self, *, zero_stage: int, **kwargs: Any) -> None:
+    def __init__(self, *, zero_stage: int, config: ZeroConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.zero_stage = zero_stage
+        self.zero_stage, self.config = zero_stage, config
         self._sharded: dict[int, FlatShardedOptimizer] = {}
 
+    @property
+    def averaged_every_backward(self) -> bool:  # type: ignore[override]
+        return bool(self._sharded) and all(s.averaged_every_backward for s in self._sharded.values())
+
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        group, stage = self.data_parallel_group, self.zero_stage
+        bucket = int(self.config.bucket_size_mb * 2**20)
         self._sharded = {
-            id(opt): FlatShardedOptimizer(opt, names=names, group=group, zero_stage=stage) for opt in optimizers
+            id(opt): FlatShardedOptimizer(
+                opt,
+                names=names,
+                group=self.data_parallel_group,
+                zero_stage=self.zero_stage,
+                reduce_gradients=self.config.reduce_gradients,
+                bucket_numel=max(1, bucket // max(p.element_size() for g in opt.param_groups for p in g["params"])),
+            )
+            for opt in optimizers
         }
+
+    def after_backward(self) -> None:
+        for sharded in self._sharded.values():
+            sharded.after_backward()
+
+    def current_gradients(self, module: nn.Module) -> list[Tensor]:
+        return [t for sharded in self._sharded.values() for t in sharded.local_gradients()]
 
     def reduce(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].reduce_gradients()
@@ -147,7 +178,12 @@ class FullyShardedGradients(GradientSync):
 
 
 def gradient_sync(
-    zero_stage: int, *, device: torch.device, data_parallel_group: dist.ProcessGroup, pipeline_group: dist.ProcessGroup
+    zero_stage: int,
+    *,
+    config: ZeroConfig,
+    device: torch.device,
+    data_parallel_group: dist.ProcessGroup,
+    pipeline_group: dist.ProcessGroup,
 ) -> GradientSync:
     """The gradient synchronisation for ``zero_stage`` (validated by the layout)."""
     kwargs: dict[str, Any] = {
@@ -158,7 +194,7 @@ def gradient_sync(
     if zero_stage == 0:
         return ReplicatedGradients(**kwargs)
     if zero_stage in (1, 2):
-        return ShardedOptimizerGradients(zero_stage=zero_stage, **kwargs)
+        return ShardedOptimizerGradients(zero_stage=zero_stage, config=config, **kwargs)
     return FullyShardedGradients(**kwargs)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "PipelineSplit",
     "ScheduleName",
     "ScheduleSpec",
+    "ZeroConfig",
     "partition_layers",
     "resolve_layout",
     "stage_ids_on_rank",
@@ -95,6 +96,38 @@ class PipelineSplit:
                 f"first_stage_extra ({self.first_stage_extra}) and last_stage_extra ({self.last_stage_extra})"
                 " must be >= 0"
             )
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Advanced ZeRO settings of :class:`HybridParallelStrategy` (the defaults save the most memory).
+
+    Args:
+        reduce_gradients: ZeRO-2 only. ``"every_microbatch"``: each bucket of gradients is reduced to the
+            ranks that own it as soon as backward produced it and then freed, so no rank ever holds the
+            whole stage gradient (one reduction per micro-batch, DeepSpeed's choice). ``"once_per_step"``:
+            the full gradient accumulates over the accumulation window and pipeline micro-batches and is
+            reduce-scattered once per optimizer step (less communication, the full gradient in memory).
+        bucket_size_mb: ZeRO-2 with ``"every_microbatch"``: the size of a gradient bucket.
+        reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
+            forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
+            gathered until the step ends (about one stage of full parameters more, fewer all-gathers).
+    """
+
+    reduce_gradients: Literal["every_microbatch", "once_per_step"] = "every_microbatch"
+    bucket_size_mb: float = 25.0
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.reduce_gradients not in ("every_microbatch", "once_per_step"):
+            raise ValueError(
+                f"reduce_gradients must be 'every_microbatch' or 'once_per_step', got {self.reduce_gradients!r}."
+            )
+        size = self.bucket_size_mb
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+            raise ValueError(f"bucket_size_mb must be a finite number > 0, got {size!r}.")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}.")
 
 
 @dataclass(frozen=True)

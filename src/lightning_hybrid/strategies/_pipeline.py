@@ -116,6 +116,7 @@ def build_schedule(
     ]
     schedule_class = get_schedule_class(spec.torch_name)
     target = stages if spec.multi_stage else stages[0]
-    # scale_grads=True with a mean loss per micro-batch gives the gradient of the batch mean
-    schedule = schedule_class(target, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    # no scaling by the schedule: it would divide the whole .grad, including what earlier micro-batches of an
+    # accumulation window left there; `loss_fn` divides each micro-batch's loss instead
+    schedule = schedule_class(target, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule, stages

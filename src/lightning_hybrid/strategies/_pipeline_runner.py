@@ -1,9 +1,12 @@
 """Running a pipeline schedule inside Lightning's training and evaluation steps.
 
 Lightning's automatic optimisation runs ``training_step`` -> ``zero_grad`` -> ``backward``. A pipeline
-schedule runs forward *and* backward inside ``training_step``, so the runner sets the previous gradients
-aside before the schedule and hands the new ones back in ``backward`` (divided by the accumulation count,
-as Lightning's own backward would), after that ``zero_grad``.
+schedule runs forward *and* backward inside ``training_step``. Each micro-batch's loss is divided by the
+number of micro-batches and by the accumulation count before its backward, so the gradients accumulate to
+exactly what Lightning's own backward of the step's mean loss would give. When Lightning's ``zero_grad``
+can reach the model's gradients (the optimizer holds the model's parameters: ZeRO-0 and ZeRO-3), the
+runner sets the earlier gradients aside during the schedule and adds the new ones back in ``backward``;
+under ZeRO-1/2 the optimizer holds flat shards and gradients accumulate in place.
 
 The loss exists on the last stage only: one all-reduce gives every rank the step's mean loss (fp32:
 a bf16 value broadcast into an fp32 buffer arrives as 0.0 over gloo), averaged over the data-parallel
@@ -62,6 +65,7 @@ class PipelineRunner:
             loss_fn=self._loss,
         )
         self._pending: list[Tensor | None] | None = None
+        self._divisor = 1  # micro-batches x accumulation count of the step being run
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stage_modules for p in stage.parameters() if p.requires_grad]
@@ -69,7 +73,7 @@ class PipelineRunner:
     # ------------------------------------------------------------------------------------------ step
 
     def _loss(self, output: Any, target: Tensor) -> Tensor:
-        loss = self.module.pipeline_loss(output, target)
+        loss = self.module.pipeline_loss(output, target) / self._divisor
         return self.loss_scaling.scale_pipeline_loss(loss) if self.loss_scaling is not None else loss
 
     def split_batch(self, batch: Any) -> tuple[Any, Tensor]:
@@ -85,44 +89,52 @@ class PipelineRunner:
             )
         return inputs, target
 
-    def run(self, batch: Any, *, train: bool) -> tuple[Tensor, Any, Tensor]:
+    def run(self, batch: Any, *, train: bool, accumulation: int = 1) -> tuple[Tensor, Any, Tensor]:
         """One pipelined step: (mean loss on every rank, the last stage's output or None, target)."""
         inputs, target = self.split_batch(batch)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
-        output = run(*args, target=target, losses=losses)
+        self._divisor = self.layout.num_microbatches * accumulation
+        try:
+            output = run(*args, target=target, losses=losses)
+        finally:
+            divisor, self._divisor = self._divisor, 1
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.holds_last_stage and losses:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
             if self.loss_scaling is not None:
                 loss = self.loss_scaling.unscale_pipeline_loss(loss)
+            loss = loss * divisor  # the micro-batches' mean of the losses themselves
         dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
         loss = loss / self.layout.data_parallel_size
         return loss, output if self.holds_last_stage else None, target
 
-    def train_step(self, batch: Any) -> Tensor:
-        """Run forward and backward of a step; its gradients wait in the runner until :meth:`backward`."""
+    def train_step(self, batch: Any, *, accumulation: int, set_aside: bool) -> Tensor:
+        """Run forward and backward of a step (its loss divided by ``accumulation``, as Lightning divides).
+
+        With ``set_aside`` the new gradients wait in the runner until :meth:`backward`, out of reach of
+        Lightning's ``zero_grad``; otherwise they accumulate into ``.grad`` in place."""
+        if not set_aside:
+            return self.run(batch, train=True, accumulation=accumulation)[0]
         params = self.parameters()
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
-        loss, _, _ = self.run(batch, train=True)
+        loss = self.run(batch, train=True, accumulation=accumulation)[0]
         self._pending = [p.grad for p in params]
         for p, g in zip(params, previous):
             p.grad = g
         return loss
 
     @torch.no_grad()
-    def backward(self, divisor: int) -> None:
-        """Add the step's gradients (of ``loss / divisor``, as Lightning's backward would) to ``.grad``."""
-        assert self._pending is not None, "backward() without a train_step()"
+    def backward(self) -> None:
+        """Add the step's gradients set aside by :meth:`train_step` to ``.grad``."""
+        if self._pending is None:
+            return  # they accumulated in place
         for p, new in zip(self.parameters(), self._pending):
-            if new is None:
-                continue
-            if divisor != 1:
-                new = new / divisor
-            p.grad = new if p.grad is None else p.grad + new
+            if new is not None:
+                p.grad = new if p.grad is None else p.grad + new
         self._pending = None
 
     def reset(self) -> None:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_boxes, flat_index
+from lightning_hybrid.strategies._zero_grads import BucketGradients, FlatGradients, GroupGradients, WindowGradients
 
 __all__ = ["FlatShardedOptimizer"]
 
@@ -38,6 +39,7 @@ class _FlatGroup:
     offsets: list[int]
     flat: Tensor  # the parameters' storage, padded to a multiple of the group size
     shard: nn.Parameter  # this rank's slice of `flat`
+    grads: GroupGradients  # where the gradients live and how they reach `shard.grad`
 
     @property
     def padded_numel(self) -> int:
@@ -52,7 +54,14 @@ class FlatShardedOptimizer:
     """Owns the sharding of one optimizer; the strategy calls it around Lightning's optimizer step."""
 
     def __init__(
-        self, optimizer: Optimizer, *, names: dict[Tensor, str], group: dist.ProcessGroup, zero_stage: int
+        self,
+        optimizer: Optimizer,
+        *,
+        names: dict[Tensor, str],
+        group: dist.ProcessGroup,
+        zero_stage: int,
+        reduce_gradients: str = "every_microbatch",
+        bucket_numel: int = 2**22,
     ) -> None:
         assert zero_stage in (1, 2), zero_stage  # the layout validated it
         if optimizer.state:
@@ -80,53 +89,49 @@ class FlatShardedOptimizer:
             for p, off in zip(params, offsets):
                 p.data = flat[off : off + p.numel()].view_as(p)
             shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
-            self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, flat, shard))
+            grads = _gradients(zero_stage, reduce_gradients, params, offsets, padded, group, bucket_numel)
+            self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, flat, shard, grads))
             pg["params"] = [shard]
         # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
         self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
 
     @staticmethod
-    def _flatten(tensors: list[Tensor | None], padded: int, like: list[Tensor]) -> Tensor:
+    def _flatten(tensors: list[Tensor], padded: int, like: list[Tensor]) -> Tensor:
         ref = like[0] if like else torch.empty(0)
         out = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
         offset = 0
         for t, p in zip(tensors, like):
-            if t is not None:
-                out[offset : offset + p.numel()].copy_(t.reshape(-1))
+            out[offset : offset + p.numel()].copy_(t.reshape(-1))
             offset += p.numel()
         return out
 
     def _shard_slice(self, g: _FlatGroup) -> slice:
         return slice(self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel)
 
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """Average the model's gradients over the group into each rank's shard (one collective per group)."""
+    def after_backward(self) -> None:
+        """A backward (one micro-batch) finished: ZeRO-2 hands off what its hooks did not."""
         for g in self.groups:
-            flat = self._flatten([p.grad for p in g.params], g.padded_numel, g.params)
-            if self.zero_stage == 1:
-                dist.all_reduce(flat, group=self.group)
-                flat.div_(self.world)
-                # ZeRO-1 keeps the full averaged gradient (views into one buffer) for hooks and callbacks
-                for p, off in zip(g.params, g.offsets):
-                    p.grad = flat[off : off + p.numel()].view_as(p)
-                g.shard.grad = flat[self._shard_slice(g)]
-            else:
-                out = torch.empty(g.shard_numel, dtype=flat.dtype, device=flat.device)
-                dist.reduce_scatter_single(out, flat, group=self.group)
-                g.shard.grad = out.div_(self.world)
-                for p in g.params:
-                    p.grad = None  # ZeRO-2: the full gradient is gone before the step
+            g.grads.after_backward()
+
+    def reduce_gradients(self) -> None:
+        """The window closed: each rank's shard gets its slice of the replicas' mean gradient."""
+        for g in self.groups:
+            g.grads.reduce(g.shard)
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
         """Write every rank's updated shard back into the full parameters (one all-gather per group)."""
         for g in self.groups:
             # the input may not alias the output: send a copy of the shard (1/N of the group, transient)
-            dist.all_gather_single(g.flat, g.shard.detach().clone(), group=self.group)
-            for p in g.params:
-                p.grad = None
-            g.shard.grad = None
+            dist.all_gather_into_tensor(g.flat, g.shard.detach().clone(), group=self.group)
+            g.grads.after_step(g.shard)
+
+    @property
+    def averaged_every_backward(self) -> bool:
+        return all(g.grads.averaged_every_backward for g in self.groups)
+
+    def local_gradients(self) -> list[Tensor]:
+        return [t for g in self.groups for t in g.grads.local_gradients()]
 
     @torch.no_grad()
     def load_parameters_into_shards(self) -> None:
@@ -235,3 +240,19 @@ class FlatShardedOptimizer:
             begin = off + flat_index(p.shape, offsets) - base
             boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
         return FlatShard(torch.Size(p.shape), local.dtype, boxes)
+
+
+def _gradients(
+    zero_stage: int,
+    reduce_gradients: str,
+    params: list[nn.Parameter],
+    offsets: list[int],
+    padded: int,
+    group: dist.ProcessGroup,
+    bucket_numel: int,
+) -> GroupGradients:
+    if zero_stage == 1:
+        return FlatGradients(params, offsets, padded, group=group)
+    if reduce_gradients == "once_per_step":
+        return WindowGradients(params, offsets, padded, group=group)
+    return BucketGradients(params, offsets, padded, group=group, bucket_numel=bucket_numel)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -33,16 +34,18 @@ from lightning_hybrid._lightning_compat import attach_device_mesh, init_processe
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
-from lightning_hybrid.strategies._fsdp import shard_fully
+from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
 from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync, named_parameters
 from lightning_hybrid.strategies._layout import (
     PRESETS,
     Layout,
     PipelineSplit,
     ScheduleName,
+    ZeroConfig,
     check_choices,
     resolve_layout,
 )
+from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module
 from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module
 from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies._state import load_sharded_checkpoint, model_state, optimizer_state
@@ -74,6 +77,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         stages_per_rank: virtual stages per rank for the interleaved/looped/V schedules (default 2).
         split: how the blocks are cut into stages (balanced by parameter count unless given).
         activation_checkpointing: recompute each block's activations in backward to save memory.
+        zero: advanced ZeRO settings (ZeRO-2 gradient reduction, ZeRO-3 resharding); see :class:`ZeroConfig`.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device by default.
         timeout: collective timeout.
 
@@ -98,6 +102,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         stages_per_rank: Union[int, None] = None,
         split: Union[PipelineSplit, None] = None,
         activation_checkpointing: bool = False,
+        zero: Union[ZeroConfig, None] = None,
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -119,6 +124,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._stages_per_rank = stages_per_rank
         self._split = split
         self._activation_checkpointing = activation_checkpointing
+        if zero is not None and not isinstance(zero, ZeroConfig):
+            raise ValueError(f"zero must be a ZeroConfig(...), got {zero!r}.")
+        self._zero_config = zero or ZeroConfig()
         self._layout: Union[Layout, None] = None
         self._mesh: Union[DeviceMesh, None] = None
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
@@ -190,6 +198,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         sync = self._gradient_sync
         return sync.gradient_holders(), sync.averaged_every_backward
 
+    def current_gradients(self, module: nn.Module) -> list[Tensor]:
+        """This rank's part of the gradient accumulated so far in the window (see :class:`GradientSync`)."""
+        return self._gradient_sync.current_gradients(module)
+
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout can load it)."""
         lay = self.layout
@@ -256,11 +268,17 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def _prepare(self, module: pl.LightningModule) -> None:
-        """The recipe, once per module: cut the stages, move, shard (ZeRO-3), schedule, gradient sync."""
+        """The recipe, once per module: cut the stages, materialise (meta-built), move, shard (ZeRO-3),
+        schedule, gradient sync."""
         layout = self.layout
         stage_ids: list[int] = []
         stages: list[nn.Module] = []
         loss_scaling = None
+        plan = ShardingPlan(
+            self.device_mesh[DP_AXIS],
+            bf16=self.precision_plugin.precision == "bf16-mixed",
+            reshard_after_forward=self._zero_config.reshard_after_forward,
+        )
         if layout.pipeline_parallel_size > 1:
             check_pipeline_contract(module)
             loss_scaling = pipeline_loss_scaling(self.precision_plugin)
@@ -278,11 +296,16 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"
                 " torch.utils.checkpoint inside the model."
             )
+        if has_meta_tensors(module):
+            # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
+            seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())))
+            materialize_module(
+                module, device=self.root_device, seed=seed, then=plan.shard if layout.zero_stage == 3 else None
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if layout.zero_stage == 3:
-            bf16 = self.precision_plugin.precision == "bf16-mixed"
-            shard_fully(module, stages=stages, mesh=self.device_mesh[DP_AXIS], bf16=bf16)
+            shard_fully(module, stages=stages, plan=plan)
         if stages:
             self._runner = PipelineRunner(
                 module,
@@ -295,6 +318,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             )
         self._sync = gradient_sync(
             layout.zero_stage,
+            config=self._zero_config,
             device=self.root_device,
             data_parallel_group=self.data_parallel_group,
             pipeline_group=self.pipeline_group,
@@ -321,23 +345,34 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
             return super().training_step(*args, **kwargs)
-        # the schedule runs forward AND backward here; the runner hands the gradients over in backward()
-        with self.precision_plugin.train_step_context():
-            loss = self._runner.train_step(args[0])
         module = self.lightning_module
         assert module is not None
+        sync = self._gradient_sync
+        # the schedule runs forward AND backward here; gradients Lightning's zero_grad could reach wait in the
+        # runner until backward()
+        with self.precision_plugin.train_step_context():
+            loss = self._runner.train_step(
+                args[0],
+                accumulation=module.trainer.accumulate_grad_batches,
+                set_aside=sync.optimizer_holds_model_parameters,
+            )
+        sync.after_backward()
         module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Union[Optimizer, None], *args: Any, **kwargs: Any) -> Tensor:
-        if self._runner is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Strategy.backward's steps, with the pipeline's hand-over in place of autograd, and the ZeRO-2 hand-off
+        # of what backward's hooks did not reduce before on_after_backward sees the gradients
         module = self.lightning_module
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._runner.backward(divisor=module.trainer.accumulate_grad_batches)
+        if self._runner is None:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self._gradient_sync.after_backward()
+        else:
+            self._runner.backward()  # the schedule ran backward in training_step
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
