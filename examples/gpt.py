@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
 import lightning_hybrid  # noqa: F401  (registers the "hybrid" strategy names)
+from lightning_hybrid.strategies import seeded_init
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -187,6 +188,9 @@ class GPT(L.LightningModule):
         optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD makes exactness checks easy to reason about).
         warmup_steps: linear LR warm-up before a cosine decay to 10% at ``max_steps`` (0 keeps LR constant).
         max_steps: length of the cosine schedule.
+        build_on_meta: build the blocks on the meta device in ``configure_model`` (nothing allocated);
+            ``HybridParallelStrategy`` materialises only each rank's own blocks, one at a time, and calls
+            :meth:`init_block` on each. The initial weights are the same either way.
     """
 
     def __init__(
@@ -203,23 +207,49 @@ class GPT(L.LightningModule):
         optimizer: str = "adamw",
         warmup_steps: int = 0,
         max_steps: int = 1000,
+        build_on_meta: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.layers = nn.Sequential(
-            TokenEmbedding(vocab_size, d_model, block_size, dropout),
-            *(Block(d_model, n_head, dropout) for _ in range(n_layer)),
-            LMHead(d_model, vocab_size),
-        )
         self.val_perplexity = Perplexity()
-        self._init_weights()
+        self.layers: nn.Sequential | None = None
+        if not build_on_meta:
+            self.layers = self._build_layers()
+            for name, block in self.layers.named_children():
+                with seeded_init(f"layers.{name}"), torch.no_grad():
+                    self.init_block(f"layers.{name}", block)
 
-    def _init_weights(self) -> None:
-        for name, p in self.named_parameters():
+    def _build_layers(self) -> nn.Sequential:
+        hp = self.hparams
+        return nn.Sequential(
+            TokenEmbedding(hp.vocab_size, hp.d_model, hp.block_size, hp.dropout),
+            *(Block(hp.d_model, hp.n_head, hp.dropout) for _ in range(hp.n_layer)),
+            LMHead(hp.d_model, hp.vocab_size),
+        )
+
+    def configure_model(self) -> None:
+        if self.layers is None:  # build_on_meta: the strategy allocates and initialises this rank's blocks
+            with torch.device("meta"):
+                self.layers = self._build_layers()
+        if any(isinstance(v, Tensor) and v.is_meta for v in vars(self.val_perplexity).values()):
+            # built under Trainer.init_module(empty_init=True): a metric's states are not weights, build it again
+            self.val_perplexity = Perplexity()
+
+    def init_block(self, name: str, block: nn.Module) -> None:
+        """Initialise one block of ``self.layers`` in place (GPT-2's scheme: N(0, 0.02), residual projections
+        scaled by ``1/sqrt(2 * n_layer)``, zero biases, unit LayerNorms).
+
+        Called under :func:`~lightning_hybrid.strategies.seeded_init` (a generator seeded from the run's seed
+        and the block's name), so every layout, and a meta-built model, starts from the same weights.
+        """
+        for sub in block.modules():
+            if isinstance(sub, nn.LayerNorm):
+                sub.reset_parameters()
+        for pname, p in block.named_parameters():
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.hparams.n_layer) if name.endswith("proj.weight") else 0.02
+                std = 0.02 / math.sqrt(2 * self.hparams.n_layer) if pname.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
-            elif name.endswith("bias"):
+            elif pname.endswith("bias"):
                 nn.init.zeros_(p)
 
     def forward(self, idx: Tensor) -> Tensor:

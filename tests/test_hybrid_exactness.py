@@ -11,9 +11,11 @@ STEPS = 3
 BASE = {"model": {"optimizer": "sgd", "lr": 0.5, "n_layer": 4}, "data": {"global_batch": 8}, "steps": STEPS}
 
 
-def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1, clip=None):
+def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1, clip=None, meta=False):
     cfg = {
         **BASE,
+        "model": {**BASE["model"], "build_on_meta": meta == "configure_model"},
+        "empty_init": meta == "init_module",
         "strategy": {"name": "hybrid_class", "kwargs": kwargs},
         "devices": nproc // nnodes,
         "num_nodes": nnodes,
@@ -145,3 +147,26 @@ def test_bf16_mixed_precision_through_the_precision_flag(tmp_path):
     assert job.rank(1)["losses"] == job.rank(0)["losses"]
     torch.testing.assert_close(losses, torch.tensor(ref_losses), rtol=0, atol=0.05)
     assert not torch.allclose(losses, torch.tensor(ref_losses), rtol=0, atol=1e-6), "bf16 had no effect"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("kwargs", "nproc", "meta"),
+    [
+        ({}, 1, "configure_model"),
+        ({"pipeline_parallel_size": 2, "num_microbatches": 2}, 2, "configure_model"),
+        ({"data_parallel_size": 2, "zero_stage": 3}, 2, "configure_model"),
+        (
+            {"pipeline_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 1, "num_microbatches": 2},
+            4,
+            "configure_model",
+        ),
+        ({"pipeline_parallel_size": 2, "num_microbatches": 2}, 2, "init_module"),
+    ],
+    ids=["single-process", "pp2", "pp1xdp2-zero3", "pp2xdp2-zero1", "pp2-init_module-empty_init"],
+)
+def test_meta_built_model_matches_the_eagerly_built_single_process_run(tmp_path, kwargs, nproc, meta):
+    """Built on the meta device (in configure_model, or by Trainer.init_module(empty_init=True)), each rank
+    materialises only its blocks; the per-block seeded initialisation makes every layout start from (and train
+    to) what the ordinary, eagerly built model does in one process."""
+    _run_layout(tmp_path, kwargs, nproc=nproc, meta=meta)

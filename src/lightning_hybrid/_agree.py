@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["agree", "all_finite", "distributed_ready"]
+__all__ = ["agree", "agreed_problem", "all_finite", "distributed_ready"]
 
 
 def distributed_ready() -> bool:
@@ -42,6 +42,30 @@ def agree(
     reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}[op]
     dist.all_reduce(buf, op=reduce_op, group=group)
     return buf.tolist()
+
+
+def agreed_problem(
+    problem: str | None, *, device: torch.device | None = None, group: dist.ProcessGroup | None = None
+) -> str | None:
+    """What went wrong on any rank of ``group``, the same text on every rank (``None`` when nothing did).
+
+    One all-reduce when all is well; the messages are gathered only when some rank has one. Ranks with the
+    same message are named together, so a problem every rank saw reads once.
+    """
+    (ok,) = agree([0.0 if problem else 1.0], op="min", device=device, group=group)
+    if ok:
+        return None
+    if not distributed_ready():
+        return problem
+    problems: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    ranks: dict[str, list[int]] = {}
+    for r, p in enumerate(problems):
+        if p:
+            ranks.setdefault(p, []).append(r)
+    if len(problems) == 1:
+        return next(iter(ranks))
+    return "; ".join(f"{p} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for p, rs in ranks.items())
 
 
 def all_finite(tensors: Iterable[Tensor]) -> bool:

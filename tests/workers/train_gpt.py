@@ -38,8 +38,6 @@ def make_strategy(spec: dict[str, Any]) -> Any:
 
 
 def main(cfg: dict[str, Any]) -> None:
-    model = build_model(cfg)
-    data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     recorder = RecordLoss()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -55,6 +53,12 @@ def main(cfg: dict[str, Any]) -> None:
         callbacks=[recorder],
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
+    if cfg.get("empty_init"):  # Lightning's way to build a big model: nothing allocated until the strategy
+        with trainer.init_module(empty_init=True):
+            model = build_model(cfg)
+    else:
+        model = build_model(cfg)
+    data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
     report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}

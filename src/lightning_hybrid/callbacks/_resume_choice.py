@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_hybrid._agree import agree, distributed_ready
+from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid.callbacks._writer import load_target
 from lightning_hybrid.checkpoint._format import ManifestError, rank_file, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import load_payload
@@ -92,14 +91,7 @@ def agreed_verdict(trainer: pl.Trainer, folder: StepFolder, *, kind: str | None 
         problem = f"unreadable manifest: {exc}"
     except Exception as exc:  # hostile files fail in many ways; each rank must still reach the all-reduce
         problem = f"cannot be verified ({type(exc).__name__}: {exc})"
-    (ok,) = agree([0.0 if problem else 1.0], op="min", device=trainer.strategy.root_device)
-    if ok:
-        return None
-    if not distributed_ready():
-        return problem
-    problems: list[Any] = [None] * world
-    dist.all_gather_object(problems, problem)
-    return "; ".join(f"{p} (rank {r})" if world > 1 else str(p) for r, p in enumerate(problems) if p)
+    return agreed_problem(problem, device=trainer.strategy.root_device)
 
 
 def choose(trainer: pl.Trainer, root: Path, *, kind: str) -> Choice:

@@ -1,6 +1,8 @@
 """Lightning strategies of lightning-hybrid."""
 
+from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._layout import PipelineSplit, ZeroConfig
+from lightning_hybrid.strategies._materialize import block_seed, seeded_init
 from lightning_hybrid.strategies.hybrid import HybridParallelStrategy
 
-__all__ = ["HybridParallelStrategy", "PipelineSplit", "ZeroConfig"]
+__all__ = ["HybridParallelStrategy", "PipelineSplit", "PretrainedWeights", "ZeroConfig", "block_seed", "seeded_init"]

@@ -53,9 +53,13 @@ def materialize(
     seed: int,
     init_block: Callable[[str, nn.Module], None] | None,
     then: Callable[[nn.Module], None] | None = None,
+    loaded: bool = False,
 ) -> int:
     """Allocate and initialise each meta ``(name, block)`` in turn on ``device``; ``then(block)`` right after
-    (e.g. shard it) before the next one. Returns how many blocks were materialised."""
+    (e.g. shard it) before the next one. Returns how many blocks were materialised.
+
+    ``loaded``: every parameter and persistent buffer will be overwritten (``init_from``), so a submodule
+    without ``reset_parameters()`` is left as allocated unless it has non-persistent buffers."""
     count = 0
     for name, block in blocks:
         if not has_meta_tensors(block):
@@ -66,7 +70,7 @@ def materialize(
             if init_block is not None:
                 init_block(name, block)
             else:
-                _reset(name, block)
+                _reset(name, block, loaded=loaded)
         block.to(device)
         if then is not None:
             then(block)
@@ -74,7 +78,7 @@ def materialize(
     return count
 
 
-def _reset(name: str, block: nn.Module) -> None:
+def _reset(name: str, block: nn.Module, *, loaded: bool) -> None:
     missing = []
     for sub_name, sub in block.named_modules():
         own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
@@ -83,7 +87,7 @@ def _reset(name: str, block: nn.Module) -> None:
         reset = getattr(sub, "reset_parameters", None)  # the convention Lightning's materialisation uses too
         if callable(reset):
             reset()
-        else:
+        elif not loaded or _has_unsaved_buffers(sub):
             missing.append(f"{name}.{sub_name}" if sub_name else name)
     if missing:
         raise TypeError(
@@ -93,8 +97,18 @@ def _reset(name: str, block: nn.Module) -> None:
         )
 
 
+def _has_unsaved_buffers(module: nn.Module) -> bool:
+    saved = {k for k in module.state_dict(keep_vars=True) if "." not in k}
+    return any(name not in saved for name, _ in module.named_buffers(recurse=False))
+
+
 def materialize_module(
-    module: nn.Module, *, device: torch.device, seed: int, then: Callable[[nn.Module], None] | None
+    module: nn.Module,
+    *,
+    device: torch.device,
+    seed: int,
+    then: Callable[[nn.Module], None] | None,
+    loaded: bool = False,
 ) -> None:
     """Materialise what is left of a meta-built LightningModule: each block of ``module.layers`` (those this
     rank kept), then every other child with meta tensors. Anything still on meta then is an error."""
@@ -103,12 +117,20 @@ def materialize_module(
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
     blocks = [(f"layers.{name}", block) for name, block in layers.named_children()] if layers is not None else []
     others = [(name, child) for name, child in module.named_children() if child is not layers]
-    materialize(blocks, device=device, seed=seed, init_block=init_block, then=then)
-    materialize(others, device=device, seed=seed, init_block=init_block)
+    materialize(blocks, device=device, seed=seed, init_block=init_block, then=then, loaded=loaded)
+    materialize(others, device=device, seed=seed, init_block=init_block, loaded=loaded)
     left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    # tensors kept as plain attributes (torchmetrics states, caches) have no initialiser to call
+    left += [
+        f"{name}.{attr}" if name else attr
+        for name, sub in module.named_modules()
+        for attr, value in vars(sub).items()
+        if isinstance(value, torch.Tensor) and value.is_meta
+    ]
     if left:
         raise TypeError(
             f"{type(module).__name__} still has tensors on the meta device after materialisation ({left[:3]}):"
-            " build parameters inside modules (blocks of `self.layers` or submodules), and metrics outside"
-            " `torch.device('meta')`."
+            " build parameters inside modules (blocks of `self.layers` or submodules), and metrics and other"
+            " tensor attributes outside `torch.device('meta')` / `Trainer.init_module(empty_init=True)`, e.g. in"
+            " configure_model()."
         )

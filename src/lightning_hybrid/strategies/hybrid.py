@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
@@ -36,6 +37,15 @@ from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, w
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
 from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync, named_parameters
+from lightning_hybrid.strategies._init_from import (
+    PretrainedWeights,
+    WeightsPlan,
+    WeightsSource,
+    expected_names,
+    load_pretrained,
+    open_weights,
+    plan_pretrained,
+)
 from lightning_hybrid.strategies._layout import (
     PRESETS,
     Layout,
@@ -78,6 +88,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         split: how the blocks are cut into stages (balanced by parameter count unless given).
         activation_checkpointing: recompute each block's activations in backward to save memory.
         zero: advanced ZeRO settings (ZeRO-2 gradient reduction, ZeRO-3 resharding); see :class:`ZeroConfig`.
+        init_from: start from pretrained weights: a path (a ``torch.save`` state_dict, a ``.safetensors`` file,
+            a folder of ``.safetensors`` shards, a sharded checkpoint of this pack) or a
+            :class:`PretrainedWeights` with a key map. Each rank reads only the tensors (under ZeRO-3 the
+            rows) it holds; keys that do not fit fail on every rank before step 0. A checkpoint resumed with
+            ``ckpt_path`` overrides them.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device by default.
         timeout: collective timeout.
 
@@ -103,6 +118,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         split: Union[PipelineSplit, None] = None,
         activation_checkpointing: bool = False,
         zero: Union[ZeroConfig, None] = None,
+        init_from: Union[str, os.PathLike, PretrainedWeights, None] = None,
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -127,6 +143,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if zero is not None and not isinstance(zero, ZeroConfig):
             raise ValueError(f"zero must be a ZeroConfig(...), got {zero!r}.")
         self._zero_config = zero or ZeroConfig()
+        if init_from is not None and not isinstance(init_from, PretrainedWeights):
+            init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
+        self._init_from: Union[PretrainedWeights, None] = init_from
+        self._pretrained_bytes_read = 0
         self._layout: Union[Layout, None] = None
         self._mesh: Union[DeviceMesh, None] = None
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
@@ -279,6 +299,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             bf16=self.precision_plugin.precision == "bf16-mixed",
             reshard_after_forward=self._zero_config.reshard_after_forward,
         )
+        pretrained = self._plan_pretrained(module)  # on the whole module, before the pipeline cuts it
         if layout.pipeline_parallel_size > 1:
             check_pipeline_contract(module)
             loss_scaling = pipeline_loss_scaling(self.precision_plugin)
@@ -300,12 +321,18 @@ class HybridParallelStrategy(ModelParallelStrategy):
             # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
             seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())))
             materialize_module(
-                module, device=self.root_device, seed=seed, then=plan.shard if layout.zero_stage == 3 else None
+                module,
+                device=self.root_device,
+                seed=seed,
+                then=plan.shard if layout.zero_stage == 3 else None,
+                loaded=pretrained is not None,
             )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if layout.zero_stage == 3:
             shard_fully(module, stages=stages, plan=plan)
+        if pretrained is not None:
+            self._load_pretrained(module, *pretrained)
         if stages:
             self._runner = PipelineRunner(
                 module,
@@ -323,6 +350,40 @@ class HybridParallelStrategy(ModelParallelStrategy):
             data_parallel_group=self.data_parallel_group,
             pipeline_group=self.pipeline_group,
         )
+
+    def _plan_pretrained(self, module: nn.Module) -> Union[tuple[WeightsSource, WeightsPlan], None]:
+        weights = self._init_from
+        if weights is None:
+            return None
+        problem, pretrained = None, None
+        try:
+            source = open_weights(weights.path)
+            pretrained = source, plan_pretrained(weights, source, expected_names(module))
+        except Exception as exc:  # a file missing on one node must not leave the other ranks in a collective
+            problem = str(exc) if isinstance(exc, ValueError) else f"init_from={str(weights.path)!r}: {exc!r}"
+        problem = agreed_problem(problem, device=self.root_device)
+        if problem:
+            raise ValueError(problem)
+        return pretrained
+
+    def _load_pretrained(self, module: nn.Module, source: WeightsSource, plan: WeightsPlan) -> None:
+        problem = None
+        try:
+            self._pretrained_bytes_read = load_pretrained(module, plan, source)
+        except Exception as exc:  # e.g. a shard truncated on one node: every rank stops with the reason
+            problem = f"init_from={str(plan.weights.path)!r}: reading the weights failed: {exc!r}"
+        problem = agreed_problem(problem, device=self.root_device)
+        if problem:
+            raise ValueError(problem)
+        log.info(
+            f"[rank {self.global_rank}] init_from {plan.weights.path}: read {self._pretrained_bytes_read / 2**20:.1f}"
+            " MiB (this rank's tensors only)"
+        )
+
+    @property
+    def pretrained_bytes_read(self) -> int:
+        """Bytes this rank read from ``init_from`` (its stages' tensors; under ZeRO-3 its rows); 0 without."""
+        return self._pretrained_bytes_read
 
     def _connect_precision(self) -> None:
         plugin = mesh_aware_precision(self.precision_plugin, self._gradient_sync.grad_norm)

@@ -24,16 +24,11 @@ from lightning_hybrid.checkpoint._format import MANIFEST, ManifestError, read_ma
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
 
-__all__ = ["consolidate_checkpoint", "main"]
+__all__ = ["consolidate_checkpoint", "main", "verified_checkpoint"]
 
 
-def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> dict[str, torch.Tensor]:
-    """Read every shard of a checkpoint's model weights into one plain ``state_dict`` (CPU tensors).
-
-    Works in a single process without a process group, whatever layout (pipeline stages, ZeRO stage,
-    world size) wrote the checkpoint. Parameter names are those of the unsplit module. Raises
-    ``ValueError`` when a manifest exists and the files do not match it.
-    """
+def verified_checkpoint(path: str | Path) -> Path:
+    """``path`` resolved, once it is a complete sharded checkpoint that matches its manifest (when it has one)."""
     path = Path(path).resolve()
     if not (path / DCP_METADATA).is_file():
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: it has no {DCP_METADATA} file.")
@@ -44,6 +39,17 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
             problem = f"unreadable manifest: {exc}"
         if problem:
             raise ValueError(f"{path} fails verification: {problem}.")
+    return path
+
+
+def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> dict[str, torch.Tensor]:
+    """Read every shard of a checkpoint's model weights into one plain ``state_dict`` (CPU tensors).
+
+    Works in a single process without a process group, whatever layout (pipeline stages, ZeRO stage,
+    world size) wrote the checkpoint. Parameter names are those of the unsplit module. Raises
+    ``ValueError`` when a manifest exists and the files do not match it.
+    """
+    path = verified_checkpoint(path)
     metadata = read_sharded_index(path).state_dict_metadata
     template = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)

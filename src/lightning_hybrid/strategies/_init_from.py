@@ -1,0 +1,366 @@
+"""Start from pretrained weights without any rank holding all of them (``HybridParallelStrategy(init_from=...)``).
+
+Four kinds of source, each read lazily so a rank touches only the tensors (and under ZeRO-3 the rows) it owns:
+
+* a plain ``state_dict`` file (``torch.save(module.state_dict(), path)``), read with ``mmap=True,
+  weights_only=True``: a tensor's pages are read only when its rows are copied;
+* a ``.safetensors`` file, read by slice;
+* a folder of ``.safetensors`` shards with a ``*.safetensors.index.json`` (the layout Hugging Face
+  checkpoints use), or a folder holding ``.safetensors`` files without an index;
+* a sharded checkpoint of this pack (its weights only; DCP reads just the requested rows).
+
+Names rarely match: ``key_map`` renames each checkpoint key to the module's name for it (a dict of prefix
+renames, longest prefix first, or a callable), and a key may feed several names (tied embeddings). The plan
+is made on every rank from the whole (possibly meta-built) module before the pipeline cuts it, so missing,
+unexpected or wrongly shaped keys fail on every rank with the key names, before step 0.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, Union
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["KeyMap", "PretrainedWeights", "WeightsPlan", "load_pretrained", "open_weights", "plan_pretrained"]
+
+KeyMap = Union[Mapping[str, Union[str, Sequence[str]]], Callable[[str], Union[str, Sequence[str], None]]]
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PretrainedWeights:
+    """Pretrained weights to start training from (``HybridParallelStrategy(init_from=PretrainedWeights(...))``).
+
+    Args:
+        path: a ``torch.save`` state_dict file, a ``.safetensors`` file, a folder of ``.safetensors`` shards
+            (with or without ``*.safetensors.index.json``), or a sharded checkpoint folder of this pack.
+        key_map: renames checkpoint keys to the module's names. A dict of prefix renames (``{"transformer.h.0.":
+            "layers.1."}``; the longest matching prefix wins; a list value feeds several names, e.g. tied
+            embeddings) or a callable ``key -> name | [names] | None`` (``None`` leaves the key unused).
+            Keys no prefix matches keep their name.
+        ignore: ``fnmatch`` patterns of checkpoint keys that are expected to stay unused (e.g. ``"*.attn.bias"``).
+
+    Example::
+
+        weights = PretrainedWeights(
+            "gpt2/",  # save_pretrained output: model.safetensors (+ index for big models)
+            key_map={"transformer.wte.": ["layers.0.token.", "layers.13.head."], "transformer.h.0.": "layers.1."},
+        )
+        strategy = HybridParallelStrategy(pipeline_parallel_size=2, zero_stage=3, init_from=weights)
+    """
+
+    path: Union[str, os.PathLike]
+    key_map: Union[KeyMap, None] = None
+    ignore: Sequence[str] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)):
+            raise ValueError(f"PretrainedWeights.path must be a path, got {self.path!r}.")
+        if self.key_map is not None and not callable(self.key_map) and not isinstance(self.key_map, Mapping):
+            raise ValueError(
+                f"PretrainedWeights.key_map must be a dict of prefix renames or a callable, got {self.key_map!r}."
+            )
+        if isinstance(self.key_map, Mapping):
+            for prefix, names in self.key_map.items():
+                values = [names] if isinstance(names, str) else names
+                if (
+                    not isinstance(prefix, str)
+                    or not isinstance(values, Sequence)
+                    or not values
+                    or not all(isinstance(v, str) for v in values)
+                ):
+                    raise ValueError(
+                        f"PretrainedWeights.key_map entries map a prefix (str) to a prefix or a list of prefixes;"
+                        f" got {prefix!r}: {names!r}."
+                    )
+        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
+            raise ValueError(f"PretrainedWeights.ignore must be a list of patterns, got {self.ignore!r}.")
+
+    def targets(self, key: str) -> list[str]:
+        """The module names checkpoint ``key`` feeds (``[]``: unused)."""
+        key_map = self.key_map
+        if key_map is None:
+            return [key]
+        if callable(key_map) and not isinstance(key_map, Mapping):
+            names = key_map(key)
+            if names is None:
+                return []
+            return [names] if isinstance(names, str) else list(names)
+        matches = [p for p in key_map if key.startswith(p)]
+        if not matches:
+            return [key]
+        prefix = max(matches, key=len)
+        names = key_map[prefix]
+        return [n + key[len(prefix) :] for n in ([names] if isinstance(names, str) else names)]
+
+    def ignored(self, key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, pattern) for pattern in self.ignore)
+
+
+class WeightsSource(Protocol):
+    """What a source of pretrained weights offers: the shapes of its tensors, and rows of one tensor."""
+
+    def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
+
+    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor: ...
+
+
+class _TorchFile:
+    def __init__(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
+            state = state["state_dict"]  # a Lightning checkpoint file: its weights
+        if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+            raise ValueError(f"{path} is not a state_dict (a dict of tensor names to tensors).")
+        self._state = state
+
+    def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._state.items()}
+
+    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
+        tensor = self._state[key]
+        return tensor if rows is None else tensor[rows[0] : rows[1]]
+
+
+class _SafetensorsFiles:
+    def __init__(self, files: dict[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in set(files.values())}
+        self._file_of = files
+
+    def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        out = {}
+        for key, path in self._file_of.items():
+            view = self._handles[path].get_slice(key)
+            dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {key!r} has the unsupported dtype {view.get_dtype()}.")
+            out[key] = (tuple(view.get_shape()), dtype)
+        return out
+
+    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
+        handle = self._handles[self._file_of[key]]
+        return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
+
+
+class _PackCheckpoint:
+    _PREFIX = "state_dict."
+
+    def __init__(self, path: Path) -> None:
+        from lightning_hybrid.checkpoint._sharded import read_sharded_index
+        from lightning_hybrid.utilities.consolidate import verified_checkpoint
+
+        self._path = verified_checkpoint(path)
+        metadata = read_sharded_index(self._path).state_dict_metadata
+        self._meta = {
+            k[len(self._PREFIX) :]: v
+            for k, v in metadata.items()
+            if k.startswith(self._PREFIX) and isinstance(v, TensorStorageMetadata)
+        }
+
+    def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.size), v.properties.dtype) for k, v in self._meta.items()}
+
+    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
+        from lightning_hybrid.checkpoint._flat_shards import FlatShard
+        from lightning_hybrid.checkpoint._sharded import read_sharded
+
+        meta = self._meta[key]
+        shape = tuple(meta.size)
+        start, stop = rows if rows is not None else (0, shape[0] if shape else 1)
+        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=meta.properties.dtype)
+        target: Any = out
+        if rows is not None:
+            target = FlatShard(torch.Size(shape), out.dtype, [((start,) + (0,) * (len(shape) - 1), out)])
+        read_sharded(self._path, {self._PREFIX + key: target}, no_dist=True)  # this rank's rows, nothing else
+        return out
+
+
+def open_weights(path: Union[str, os.PathLike]) -> WeightsSource:
+    """The source at ``path`` (see the module docstring for the kinds); raises ``ValueError`` saying what is
+    wrong with the path."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            return _SafetensorsFiles(_keys_of_files([path]))
+        return _TorchFile(path)
+    if not path.is_dir():
+        raise ValueError(f"init_from={str(path)!r} does not exist (a weights file or folder on every node).")
+    if (path / ".metadata").is_file():
+        return _PackCheckpoint(path)
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise ValueError(
+            f"{path} holds several indexes ({[i.name for i in indexes]}); point init_from at one folder each."
+        )
+    if indexes:
+        return _SafetensorsFiles(_index_files(indexes[0]))
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(
+            f"{path} holds no weights: expected *.safetensors (with or without an index) or a sharded checkpoint."
+        )
+    return _SafetensorsFiles(_keys_of_files(shards))
+
+
+def _keys_of_files(files: list[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    owner: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                if key in owner:
+                    raise ValueError(f"tensor {key!r} is in both {owner[key].name} and {path.name}.")
+                owner[key] = path
+    return owner
+
+
+def _index_files(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}") from None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to file names.")
+    files = {}
+    for key, name in weight_map.items():
+        # file names only: an index cannot send the reader outside its folder
+        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+            raise ValueError(f"{index}: {key!r} names the file {name!r}; expected a .safetensors file in the folder.")
+        files[key] = index.parent / name
+    missing = sorted({p.name for p in files.values() if not p.is_file()})
+    if missing:
+        raise ValueError(f"{index} names shards that are not there: {missing[:5]}.")
+    return files
+
+
+@dataclass
+class WeightsPlan:
+    """Which checkpoint key fills each module name (the same on every rank)."""
+
+    weights: PretrainedWeights
+    source_of: dict[str, str]  # module name -> checkpoint key
+
+
+def plan_pretrained(
+    weights: PretrainedWeights, source: WeightsSource, expected: dict[str, tuple[int, ...]]
+) -> WeightsPlan:
+    """Match the checkpoint's keys to the module's names (``expected``: name -> full shape, of the whole
+    module); raises ``ValueError`` naming every missing, unexpected, doubly fed or wrongly shaped key."""
+    index = source.index()
+    source_of: dict[str, str] = {}
+    unexpected, doubled, wrong_shape = [], [], []
+    for key in sorted(index):
+        names = weights.targets(key)
+        if not names and not weights.ignored(key):
+            continue  # the callable left it out on purpose
+        unknown = [n for n in names if n not in expected]
+        if unknown and not weights.ignored(key):
+            unexpected.append(key if unknown == [key] else f"{key} -> {', '.join(unknown)}")
+        for name in names:
+            if name not in expected:
+                continue
+            if name in source_of:
+                doubled.append(f"{name} <- {source_of[name]}, {key}")
+                continue
+            if index[key][0] != tuple(expected[name]):
+                wrong_shape.append(f"{key} {list(index[key][0])} -> {name} {list(expected[name])}")
+            source_of[name] = key
+    missing = [n for n in expected if n not in source_of]
+    problems = [
+        (what, keys)
+        for what, keys in (
+            ("missing (no checkpoint key feeds them)", missing),
+            ("unexpected (the module has no such name; map or ignore them)", unexpected),
+            ("fed twice", doubled),
+            ("wrong shape", wrong_shape),
+        )
+        if keys
+    ]
+    if problems:
+        lines = [f"  {what}: {len(keys)}: {_summarise(keys)}" for what, keys in problems]
+        raise ValueError(
+            f"init_from={str(weights.path)!r} does not fit the module:\n" + "\n".join(lines) + "\nFix the key_map"
+            " (checkpoint prefix -> module prefix) or ignore=[...] of PretrainedWeights."
+        )
+    return WeightsPlan(weights, source_of)
+
+
+def _summarise(entries: list[str], limit: int = 12) -> str:
+    """Keys named one by one, except that more than three under one block read ``layers.2.* (12 keys)``."""
+
+    def block(key: str) -> str:
+        parts = key.split(".")
+        numeric = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+        return ".".join(parts[: numeric + 1 if numeric is not None else min(2, len(parts) - 1)])
+
+    groups: dict[str, list[str]] = {}
+    for entry in entries:
+        sides = [side.split(" ")[0] for side in entry.split(" -> ")]  # "key [shape] -> name [shape]"
+        groups.setdefault(" -> ".join(block(side) + ".*" for side in sides), []).append(entry)
+    shown: list[str] = []
+    for group, members in groups.items():
+        shown += [f"{group} ({len(members)} keys)"] if len(members) > 3 else members
+    return ", ".join(shown[:limit]) + (f" ... ({len(shown) - limit} more)" if len(shown) > limit else "")
+
+
+def expected_names(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every name of the module's state_dict with its full shape (tied parameters under each of their names)."""
+    return {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _local_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, Union[tuple[int, int], None]]]:
+    """``(name, tensor to fill, rows of the full tensor it holds)`` for what this rank holds."""
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, DTensor):
+            yield name, tensor.to_local(), _local_rows(name, tensor)
+        else:
+            yield name, tensor, None
+
+
+def _local_rows(name: str, tensor: DTensor) -> tuple[int, int]:
+    placements = tensor.placements
+    if len(placements) != 1 or placements[0] != Shard(0):
+        raise ValueError(f"init_from reads row shards; {name} is placed as {placements}.")
+    n = tensor.shape[0]
+    world = tensor.device_mesh.size()
+    coordinate = tensor.device_mesh.get_coordinate()
+    assert coordinate is not None
+    chunk = -(-n // world)  # torch.chunk's split, as FSDP2 shards dim 0
+    start = min(n, coordinate[0] * chunk)
+    stop = min(n, start + chunk)
+    if stop - start != tensor.to_local().shape[0]:
+        raise ValueError(
+            f"init_from: {name}'s local shard has {tensor.to_local().shape[0]} rows, expected {stop - start}."
+        )
+    return start, stop
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, plan: WeightsPlan, source: WeightsSource) -> int:
+    """Copy into this rank's tensors (its stages; under ZeRO-3 its rows) from ``source``. Returns the bytes
+    read."""
+    read = 0
+    for name, tensor, rows in _local_tensors(module):
+        if rows is not None and rows[0] == rows[1]:
+            continue  # this rank holds no rows of a short tensor
+        value = source.read(plan.source_of[name], rows)
+        tensor.copy_(value.to(tensor.device))
+        read += value.numel() * value.element_size()
+    return read
