@@ -9,7 +9,7 @@ optimizer step:
    every rank, for clipping;
 3. ``after_step(optimizer)``: after the optimizer stepped.
 
-ZeRO-0 all-reduces a flat copy of the gradients; ZeRO-1/2 reduce into each rank's flat shard and gather
+ZeRO-0 all-reduces the gradients bucket by bucket; ZeRO-1/2 reduce into each rank's flat shard and gather
 the updated parameters back (:class:`FlatShardedOptimizer`); ZeRO-3 has nothing to do (FSDP2 reduce-
 scattered every backward and gathers parameters when they are used).
 """
@@ -90,10 +90,18 @@ class GradientSync:
 
 
 class ReplicatedGradients(GradientSync):
-    """ZeRO-0: every replica holds the whole stage; gradients are averaged with one flat all-reduce."""
+    """ZeRO-0: every replica holds the whole stage; gradients are averaged by an all-reduce per bucket.
+
+    Each bucket (``ZeroConfig.bucket_size_mb``) of consecutive gradients is copied into one buffer, reduced,
+    and the gradients become views of it (their own storage freed at once): a rank holds one bucket more
+    than its gradients, never a second copy of them."""
 
     zero_stage = 0
     averaged_every_backward = False  # synchronised once per window, when it closes
+
+    def __init__(self, *, config: ZeroConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bucket_bytes = int(config.bucket_size_mb * 2**20)
 
     @torch.no_grad()
     def reduce(self, optimizer: Optimizer) -> None:
@@ -101,8 +109,17 @@ class ReplicatedGradients(GradientSync):
         if dp == 1:
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        bucket: list[Tensor] = []
+        for i, p in enumerate(params):
+            bucket.append(p)
+            same = i + 1 < len(params) and (params[i + 1].dtype, params[i + 1].device) == (p.dtype, p.device)
+            if not same or sum(q.numel() * q.element_size() for q in bucket) >= self.bucket_bytes:
+                self._reduce_bucket(bucket, dp)
+                bucket = []
+
+    def _reduce_bucket(self, params: list[Tensor], dp: int) -> None:
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
+                          device=p.device) for p in params])  # fmt: skip
         dist.all_reduce(flat, group=self.data_parallel_group)
         flat.div_(dp)
         offset = 0
@@ -192,7 +209,7 @@ def gradient_sync(
         "pipeline_group": pipeline_group,
     }
     if zero_stage == 0:
-        return ReplicatedGradients(**kwargs)
+        return ReplicatedGradients(config=config, **kwargs)
     if zero_stage in (1, 2):
         return ShardedOptimizerGradients(zero_stage=zero_stage, config=config, **kwargs)
     return FullyShardedGradients(**kwargs)

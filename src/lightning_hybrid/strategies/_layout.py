@@ -108,7 +108,9 @@ class ZeroConfig:
             whole stage gradient (one reduction per micro-batch, DeepSpeed's choice). ``"once_per_step"``:
             the full gradient accumulates over the accumulation window and pipeline micro-batches and is
             reduce-scattered once per optimizer step (less communication, the full gradient in memory).
-        bucket_size_mb: ZeRO-2 with ``"every_microbatch"``: the size of a gradient bucket.
+        bucket_size_mb: the size of a gradient bucket (the ZeRO-0 all-reduce, ZeRO-2's reductions during
+            backward) and of the chunks a ZeRO-1/2 optimizer steps and gathers (an optimizer's temporaries,
+            such as Adam's denominator, are the size of a chunk, not of the shard).
         reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
             forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
             gathered until the step ends (about one stage of full parameters more, fewer all-gathers).

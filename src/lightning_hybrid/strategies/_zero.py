@@ -40,6 +40,8 @@ class _FlatGroup:
     flat: Tensor  # the parameters' storage, padded to a multiple of the group size
     shard: nn.Parameter  # this rank's slice of `flat`
     grads: GroupGradients  # where the gradients live and how they reach `shard.grad`
+    chunks: list[nn.Parameter]  # what the optimizer steps: views of `shard`, at most a bucket each
+    slices: list[slice]  # each chunk's range of `shard`
 
     @property
     def padded_numel(self) -> int:
@@ -83,26 +85,34 @@ class FlatShardedOptimizer:
                 total += p.numel()
             padded = -(-max(total, 1) // self.world) * self.world
             shard_numel = padded // self.world
-            flat = self._flatten([p.detach() for p in params], padded, params)
             # the parameters become views of one flat buffer and the shard is a view of that buffer too:
             # the optimizer updates the model's own memory, no second copy of the weights exists
-            for p, off in zip(params, offsets):
-                p.data = flat[off : off + p.numel()].view_as(p)
+            flat = self._flatten(params, offsets, padded)
             shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
+            # the optimizer steps the shard in chunks: an optimizer's temporaries (Adam's denominator, ...) are
+            # then the size of a chunk, not of the shard
+            slices = [slice(a, min(a + bucket_numel, shard_numel)) for a in range(0, shard_numel, bucket_numel)]
+            chunks = [nn.Parameter(shard.data[sl]) for sl in slices]
             grads = _gradients(zero_stage, reduce_gradients, params, offsets, padded, group, bucket_numel)
-            self.groups.append(_FlatGroup(params, [names[p] for p in params], offsets, flat, shard, grads))
-            pg["params"] = [shard]
+            self.groups.append(
+                _FlatGroup(params, [names[p] for p in params], offsets, flat, shard, grads, chunks, slices)
+            )
+            pg["params"] = chunks
         # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
         self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
 
     @staticmethod
-    def _flatten(tensors: list[Tensor], padded: int, like: list[Tensor]) -> Tensor:
-        ref = like[0] if like else torch.empty(0)
-        out = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
-        offset = 0
-        for t, p in zip(tensors, like):
-            out[offset : offset + p.numel()].copy_(t.reshape(-1))
-            offset += p.numel()
+    @torch.no_grad()
+    def _flatten(params: list[nn.Parameter], offsets: list[int], padded: int) -> Tensor:
+        """One buffer holding every parameter; each parameter's own storage is freed as soon as it is copied
+        (the buffer's untouched pages cost nothing until then), so the model is not held twice."""
+        ref = params[0] if params else torch.empty(0)
+        out = torch.empty(padded, dtype=ref.dtype, device=ref.device)
+        end = offsets[-1] + params[-1].numel() if params else 0
+        out[end:].zero_()  # the padding
+        for p, off in zip(params, offsets):
+            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = out[off : off + p.numel()].view_as(p)
         return out
 
     def _shard_slice(self, g: _FlatGroup) -> slice:
@@ -117,14 +127,23 @@ class FlatShardedOptimizer:
         """The window closed: each rank's shard gets its slice of the replicas' mean gradient."""
         for g in self.groups:
             g.grads.reduce(g.shard)
+            grad = g.shard.grad
+            for chunk, sl in zip(g.chunks, g.slices):
+                chunk.grad = None if grad is None else grad[sl]
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Write every rank's updated shard back into the full parameters (one all-gather per group)."""
+        """Write every rank's updated shard back into the full parameters (one all-gather per chunk: what is
+        sent is a copy of one chunk, as an input may not alias the output)."""
         for g in self.groups:
-            # the input may not alias the output: send a copy of the shard (1/N of the group, transient)
-            dist.all_gather_into_tensor(g.flat, g.shard.detach().clone(), group=self.group)
+            size = g.shard_numel
+            base = self.rank * size
+            for sl in g.slices:
+                outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
+                dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
             g.grads.after_step(g.shard)
+            for chunk in g.chunks:
+                chunk.grad = None
 
     @property
     def averaged_every_backward(self) -> bool:
@@ -156,12 +175,13 @@ class FlatShardedOptimizer:
         part from that rank (and reshards it into any other layout on load)."""
         out: dict[str, Any] = {}
         for pg, g in zip(self.optimizer.param_groups, self.groups):
-            state = self.optimizer.state.get(g.shard, {})
+            state = self.optimizer.state.get(g.chunks[0], {})
             for key in sorted(state):
                 value = state[key]
-                if isinstance(value, Tensor) and value.numel() == g.shard_numel and value.dim() == 1:
+                if isinstance(value, Tensor) and value.numel() == g.chunks[0].numel() and value.dim() == 1:
+                    pieces = [(sl.start, self.optimizer.state[c][key]) for c, sl in zip(g.chunks, g.slices)]
                     for p, name, off in zip(g.params, g.names, g.offsets):
-                        out[f"state.{name}.{key}"] = self._sharded_view(g, p, off, value)
+                        out[f"state.{name}.{key}"] = self._sharded_view(g, p, off, pieces)
                 else:  # per-group scalars (Adam's `step`) are the same for every parameter
                     for name in g.names:
                         out[f"state.{name}.{key}"] = value.clone() if isinstance(value, Tensor) else value
@@ -178,7 +198,7 @@ class FlatShardedOptimizer:
         for g in self.groups:
             local = g.flat[self._shard_slice(g)]
             for p, name, off in zip(g.params, g.names, g.offsets):
-                out[name] = self._sharded_view(g, p, off, local.detach())
+                out[name] = self._sharded_view(g, p, off, [(0, local.detach())])
         return out
 
     def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype) -> FlatShard | None:
@@ -190,7 +210,7 @@ class FlatShardedOptimizer:
         if tuple(shape) != tuple(p.shape) or p.dim() == 0:
             return None
         local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
-        return self._sharded_view(g, p, off, local)
+        return self._sharded_view(g, p, off, [(0, local)])
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
@@ -203,16 +223,20 @@ class FlatShardedOptimizer:
                 if key.startswith(prefix):
                     pg[key[len(prefix) :]] = value
             state_keys = {k[len(f"state.{first}.") :] for k in flat if k.startswith(f"state.{first}.")}
-            state: dict[str, Any] = {}
+            states: list[dict[str, Any]] = [{} for _ in g.chunks]
             for key in state_keys:
                 value = flat[f"state.{first}.{key}"]
                 if isinstance(value, FlatShard) or (
                     isinstance(value, Tensor) and value.shape == g.params[0].shape and value.dim() > 0
                 ):
-                    state[key] = self._local_slice(g, [flat[f"state.{name}.{key}"] for name in g.names])
+                    local = self._local_slice(g, [flat[f"state.{name}.{key}"] for name in g.names])
+                    for state, sl in zip(states, g.slices):
+                        state[key] = local[sl]  # each chunk's state is a view of this rank's slice
                 else:
-                    state[key] = value.clone() if isinstance(value, Tensor) else value
-            self.optimizer.state[g.shard] = state
+                    for state in states:
+                        state[key] = value.clone() if isinstance(value, Tensor) else value
+            for chunk, state in zip(g.chunks, states):
+                self.optimizer.state[chunk] = state
 
     def _local_slice(self, g: _FlatGroup, values: list[Any]) -> Tensor:
         """This rank's flat slice of a per-element state, from each parameter's full tensor or local boxes."""
@@ -230,16 +254,19 @@ class FlatShardedOptimizer:
                 out[lo - base : hi - base].copy_(value.reshape(-1)[lo - off : hi - off])
         return out
 
-    def _sharded_view(self, g: _FlatGroup, p: Tensor, off: int, local: Tensor) -> FlatShard:
-        """Parameter ``p``'s elements (``off`` in the group's flat buffer) of this rank's slice ``local`` of a
-        flat per-element state, as a FlatShard of ``p``'s shape (boxes are views of ``local``)."""
+    def _sharded_view(self, g: _FlatGroup, p: Tensor, off: int, pieces: list[tuple[int, Tensor]]) -> FlatShard:
+        """Parameter ``p``'s elements (``off`` in the group's flat buffer) of this rank's slice of a flat
+        per-element state, held as ``pieces`` ``(start in the slice, tensor)``, as a FlatShard of ``p``'s shape
+        (boxes are views of the pieces)."""
         base = self.rank * g.shard_numel
-        lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
         boxes = []
-        for offsets, sizes in flat_boxes(p.shape, lo - off, hi - off):
-            begin = off + flat_index(p.shape, offsets) - base
-            boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
-        return FlatShard(torch.Size(p.shape), local.dtype, boxes)
+        for start, local in pieces:
+            lo = max(off, base + start)
+            hi = min(off + p.numel(), base + start + local.numel())
+            for offsets, sizes in flat_boxes(p.shape, lo - off, hi - off) if lo < hi else []:
+                begin = off + flat_index(p.shape, offsets) - base - start
+                boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
+        return FlatShard(torch.Size(p.shape), pieces[0][1].dtype, boxes)
 
 
 def _gradients(

@@ -202,7 +202,7 @@ class BucketGradients(GroupGradients):
 
     def reduce(self, shard: nn.Parameter) -> None:
         self.after_backward()
-        shard.grad = self.shard_grad.div(self.world)
+        shard.grad = self.shard_grad.div_(self.world)  # in place: zeroed again after the step
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
