@@ -8,9 +8,9 @@
   parameters is complete it is reduced to the ranks whose shards it covers and freed, so a rank never
   holds more of the full gradient than the buckets still in flight. One reduction per micro-batch.
 - ZeRO-2, ``reduce_gradients="once_per_step"`` (:class:`WindowGradients`): the full gradient accumulates
-  in a flat buffer allocated by the window's first gradient, is reduce-scattered once when the window
-  closes and freed. Half the communication when accumulating (or pipelining) many micro-batches, at the
-  cost of holding the full gradient during the window.
+  in a flat buffer allocated by the window's first gradient, is reduced slice by slice to the slices'
+  owners once when the window closes, and freed. Half the communication when accumulating (or
+  pipelining) many micro-batches, at the cost of holding the full gradient during the window.
 
 Every object exposes the same calls, made by :class:`FlatShardedOptimizer`: ``after_backward`` (end of
 each backward), ``reduce`` (the window closed: put the replicas' mean into ``shard.grad``) and
@@ -123,9 +123,12 @@ class WindowGradients(GroupGradients):
         if self.flat is None:  # no gradient at all in this window
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self._adopt(self.flat)
-        out = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        dist.reduce_scatter_tensor(out, self.flat, group=self.group)
-        shard.grad = out.div_(self.world)
+        # each rank's slice reduced to it in place (a reduce-scatter in N reductions: the same bytes on the wire,
+        # and no backend-side copy of the whole buffer), then only this rank's slice is kept
+        s = self.shard_numel
+        for r in range(self.world):
+            dist.reduce(self.flat[r * s : (r + 1) * s], dst=dist.get_global_rank(self.group, r), group=self.group)
+        shard.grad = self.flat[self._shard_slice()].div_(self.world).clone()
         for p in self.params:
             p.grad = None
         self.flat = None  # the full gradient is gone before the step
@@ -178,8 +181,10 @@ class BucketGradients(GroupGradients):
         parts = []
         for i in bucket.members:
             p = self.params[i]
-            missing = torch.zeros(p.numel(), dtype=self.dtype, device=self.device)
-            parts.append(p.grad.reshape(-1) if p.grad is not None else missing)
+            if p.grad is None:
+                parts.append(torch.zeros(p.numel(), dtype=self.dtype, device=self.device))
+            else:
+                parts.append(p.grad.reshape(-1))
             p.grad = None  # handed off: freed once the bucket is reduced
         pad = bucket.hi - bucket.lo - sum(x.numel() for x in parts)
         if pad:
