@@ -109,8 +109,8 @@ class ZeroConfig:
             the full gradient accumulates over the accumulation window and pipeline micro-batches and is
             reduce-scattered once per optimizer step (less communication, the full gradient in memory).
         bucket_size_mb: the size of a gradient bucket (the ZeRO-0 all-reduce, ZeRO-2's reductions during
-            backward) and of the chunks a ZeRO-1/2 optimizer steps and gathers (an optimizer's temporaries,
-            such as Adam's denominator, are the size of a chunk, not of the shard).
+            backward). A ZeRO-1/2 optimizer steps and gathers its shard in chunks of at most this size and
+            8 MiB of fp32, so an optimizer's temporaries (Adam's denominator, ...) are a chunk, not the shard.
         reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
             forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
             gathered until the step ends (about one stage of full parameters more, fewer all-gathers).

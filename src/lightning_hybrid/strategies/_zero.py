@@ -31,6 +31,9 @@ from lightning_hybrid.strategies._zero_grads import BucketGradients, FlatGradien
 
 __all__ = ["FlatShardedOptimizer"]
 
+# the most elements one optimizer parameter (a chunk of a shard) holds: 8 MiB of fp32
+STEP_CHUNK_NUMEL = 2**21
+
 
 @dataclass
 class _FlatGroup:
@@ -91,7 +94,8 @@ class FlatShardedOptimizer:
             shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
             # the optimizer steps the shard in chunks: an optimizer's temporaries (Adam's denominator, ...) are
             # then the size of a chunk, not of the shard
-            slices = [slice(a, min(a + bucket_numel, shard_numel)) for a in range(0, shard_numel, bucket_numel)]
+            step = min(bucket_numel, STEP_CHUNK_NUMEL)
+            slices = [slice(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
             chunks = [nn.Parameter(shard.data[sl]) for sl in slices]
             grads = _gradients(zero_stage, reduce_gradients, params, offsets, padded, group, bucket_numel)
             self.groups.append(
