@@ -193,7 +193,11 @@ def main() -> None:
         formula = zero_formula("ddp" if strat == "ddp" else strat["zero_stage"], nproc)
         rel_time = statistics.median(r["step_time"] for r in reps) / statistics.median(r["step_time"] for r in ddp)
         rows.append((name, per_rank, formula, per_rank / formula, rel_time))
-    print(f"\n## Per-rank bytes of params + grads + AdamW state (fp32, N={nproc}), step time vs Lightning DDP")
+    print(
+        f"\n## Per-rank bytes held in params + grads + AdamW state at the end of backward (fp32, N={nproc}),"
+        " step time vs Lightning DDP\n(a count of what is stored by design, not the peak: benchmarks/memory.py"
+        " measures the peak a rank reaches)"
+    )
     print(f"| {'layout':<14} | bytes/param measured | ZeRO formula | measured/formula | step time / DDP |")
     print("|" + "-" * 16 + "|" + "-" * 22 + "|" + "-" * 14 + "|" + "-" * 18 + "|" + "-" * 17 + "|")
     for name, measured, formula, ratio, rel in rows:
