@@ -59,10 +59,31 @@ def test_every_schedule_matches_single_process(tmp_path, schedule):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_pp2_dp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
-    kwargs = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "zero_stage": zero_stage, "num_microbatches": 2}
-    job = _run_layout(tmp_path, kwargs, nproc=4)
+@pytest.mark.parametrize(
+    ("zero_stage", "zero"),
+    [
+        (0, {}),
+        (1, {}),
+        # buckets of a few thousand elements: many of them, some split between two ranks' shards
+        (2, {"reduce_gradients": "every_microbatch", "bucket_size_mb": 0.02}),
+        (2, {"reduce_gradients": "once_per_step"}),
+        (3, {}),
+        (3, {"reshard_after_forward": False}),
+    ],
+    ids=["zero0", "zero1-flat-gradients", "zero2-buckets", "zero2-once-per-step", "zero3", "zero3-no-reshard"],
+)
+def test_pp2_dp2_every_zero_stage_matches_single_process(tmp_path, zero_stage, zero):
+    """Every ZeRO stage and gradient-reduction setting, with gradient accumulation and clipping by the global
+    norm: gradients reduced bucket by bucket during backward, once per step, or kept in place, all exact."""
+    kwargs = {
+        "pipeline_parallel_size": 2,
+        "data_parallel_size": 2,
+        "zero_stage": zero_stage,
+        "num_microbatches": 2,
+        "zero": zero,
+    }
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    job = _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
     # data-parallel ranks are adjacent; samplers see the data-parallel size and rank, not the world
     assert [job.rank(r)["sampler"] for r in range(4)] == [
         {"num_replicas": 2, "rank": 0},
@@ -86,27 +107,6 @@ def test_accumulation_clipping_and_activation_checkpointing_match(tmp_path):
         "num_microbatches": 2,
         "activation_checkpointing": True,
     }
-    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-    _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("pipeline", "zero_stage", "zero"),
-    [
-        # buckets of a few thousand elements: many of them, some split between two ranks' shards
-        (1, 2, {"reduce_gradients": "every_microbatch", "bucket_size_mb": 0.02}),
-        (2, 2, {"reduce_gradients": "once_per_step"}),
-        (2, 1, {}),
-        (2, 3, {"reshard_after_forward": False}),
-    ],
-    ids=["zero2-buckets-dp4", "zero2-once-per-step", "zero1-flat-gradients", "zero3-no-reshard"],
-)
-def test_zero_gradient_reduction_settings_are_exact_with_accumulation(tmp_path, pipeline, zero_stage, zero):
-    """Gradients reduced bucket by bucket during backward, once per step, or kept in place: all exact."""
-    kwargs = {"pipeline_parallel_size": pipeline, "zero_stage": zero_stage, "zero": zero}
-    if pipeline > 1:
-        kwargs["num_microbatches"] = 2
     trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
     _run_layout(tmp_path, kwargs, nproc=4, trainer=trainer, accumulate=2, clip=0.5)
 
@@ -161,9 +161,9 @@ def test_bf16_mixed_precision_through_the_precision_flag(tmp_path):
             4,
             "configure_model",
         ),
-        ({"pipeline_parallel_size": 2, "num_microbatches": 2}, 2, "init_module"),
+        ({}, 1, "init_module"),
     ],
-    ids=["single-process", "pp2", "pp1xdp2-zero3", "pp2xdp2-zero1", "pp2-init_module-empty_init"],
+    ids=["single-process", "pp2", "pp1xdp2-zero3", "pp2xdp2-zero1", "single-process-init_module-empty_init"],
 )
 def test_meta_built_model_matches_the_eagerly_built_single_process_run(tmp_path, kwargs, nproc, meta):
     """Built on the meta device (in configure_model, or by Trainer.init_module(empty_init=True)), each rank

@@ -63,6 +63,9 @@ class Injector(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        inf = self.inject.get("inf")
+        if _armed(inf) and step == inf["step"]:
+            self._poison_next_backward(pl_module)
         sig = self.inject.get("signal")
         if _armed(sig) and step == sig["step"]:
             os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
@@ -74,11 +77,17 @@ class Injector(Callback):
             root = Path(vanish["dirpath"])
             root.rename(root.with_name(root.name + ".gone"))  # the mount went away under the job
 
-    def on_after_backward(self, trainer, pl_module) -> None:
-        spec = self.inject.get("inf")
-        if _armed(spec) and trainer.global_step == spec["step"]:
-            grad = next(p.grad for p in pl_module.parameters() if p.grad is not None)
+    def _poison_next_backward(self, pl_module) -> None:
+        # a gradient hook, as an overflow happens: inside backward, before any strategy reduces or hands off
+        # the gradient (ZeRO-2 reduces buckets during backward: .grad is gone by on_after_backward)
+        param = next(p for p in pl_module.parameters() if p.requires_grad)
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
             grad.view(-1)[0] = float("inf")
+            return grad
+
+        self._poison = param.register_hook(poison)
 
     def on_train_start(self, trainer, pl_module) -> None:
         # what was loaded (the pointer moves on as this run saves)
@@ -97,6 +106,9 @@ class Injector(Callback):
         self.validation_batches += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if getattr(self, "_poison", None) is not None:
+            self._poison.remove()
+            self._poison = None
         if "progress" in self.inject:
             path = Path(self.inject["progress"]) / f"progress{rank()}"
             path.with_suffix(".tmp").write_text(json.dumps([trainer.global_step, os.getpid(), self.resumed]))

@@ -21,7 +21,7 @@ produce gradients for the same parameters in each backward (as DDP requires by d
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -140,7 +140,8 @@ class _Bucket:
     hi: int
     members: list[int]  # parameter indices
     owners: list[tuple[int, int, int]]  # (group rank, lo, hi): the parts of shards it covers
-    ready: int = 0  # members accumulated in the current backward
+    arrived: set[int] = field(default_factory=set)  # members handed off in the current backward
+    buffer: Tensor | None = None  # their gradients, from the first hand-off until the bucket is reduced
 
 
 class BucketGradients(GroupGradients):
@@ -170,39 +171,44 @@ class BucketGradients(GroupGradients):
         s = self.shard_numel
         return [(r, max(lo, r * s), min(hi, (r + 1) * s)) for r in range(lo // s, (hi - 1) // s + 1)]
 
+    @torch.no_grad()
     def _accumulated(self, index: int, param: Tensor) -> None:
+        # hand the gradient off at once: into the bucket's buffer, and the parameter's own storage is freed
         bucket = self.buckets[self._bucket_of[index]]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.members):
+        self._hand_off(bucket, index)
+        bucket.arrived.add(index)
+        if len(bucket.arrived) == len(bucket.members):
             self._reduce_bucket(bucket)
+
+    def _hand_off(self, bucket: _Bucket, index: int) -> None:
+        p = self.params[index]
+        if p.grad is None:
+            return
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        begin = self.offsets[index] - bucket.lo
+        bucket.buffer[begin : begin + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
 
     @torch.no_grad()
     def _reduce_bucket(self, bucket: _Bucket) -> None:
-        parts = []
-        for i in bucket.members:
-            p = self.params[i]
-            if p.grad is None:
-                parts.append(torch.zeros(p.numel(), dtype=self.dtype, device=self.device))
-            else:
-                parts.append(p.grad.reshape(-1))
-            p.grad = None  # handed off: freed once the bucket is reduced
-        pad = bucket.hi - bucket.lo - sum(x.numel() for x in parts)
-        if pad:
-            parts.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
-        flat = torch.cat(parts)
-        base = self.rank * self.shard_numel
+        for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
+            self._hand_off(bucket, i)
+        if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        flat, base = bucket.buffer, self.rank * self.shard_numel
         for owner, lo, hi in bucket.owners:
             piece = flat[lo - bucket.lo : hi - bucket.lo]
             dist.reduce(piece, dst=dist.get_global_rank(self.group, owner), group=self.group)
             if owner == self.rank:
                 self.shard_grad[lo - base : hi - base] += piece
-        bucket.ready = 0
+        bucket.buffer, bucket.arrived = None, set()
 
     def after_backward(self) -> None:
         # buckets whose parameters did not all accumulate (unused ones, or a schedule that accumulated weight
         # gradients itself) go now, in a fixed order, so every micro-batch's gradient is reduced before the next
         for bucket in self.buckets:
-            if bucket.ready or any(self.params[i].grad is not None for i in bucket.members):
+            if bucket.arrived or any(self.params[i].grad is not None for i in bucket.members):
                 self._reduce_bucket(bucket)
 
     def reduce(self, shard: nn.Parameter) -> None:
