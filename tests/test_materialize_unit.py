@@ -67,3 +67,22 @@ def test_tensor_attributes_left_on_meta_are_named():
         net.layers[0].cache = torch.zeros(2)  # a plain attribute, as metric states are
     with pytest.raises(TypeError, match=r"layers\.0\.cache.*configure_model"):
         materialize_module(net, device=torch.device("cpu"), seed=0, then=None)
+
+
+def test_tied_meta_parameters_are_found_on_the_whole_module():
+    from lightning_hybrid.strategies._materialize import tied_on_meta
+
+    with torch.device("meta"):
+        net = nn.Module()
+        net.layers = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    assert tied_on_meta(net) == []
+    net.layers[1].weight = net.layers[0].weight  # the usual tied embedding
+    assert tied_on_meta(net) == [["layers.0.weight", "layers.1.weight"]]
+
+
+def test_an_empty_message_is_still_an_agreed_failure():
+    from lightning_hybrid._agree import agreed_problem
+
+    assert agreed_problem(None) is None
+    assert agreed_problem("") == "failed without a message"
+    assert agreed_problem("bad key") == "bad key"

@@ -52,7 +52,9 @@ def agreed_problem(
     One all-reduce when all is well; the messages are gathered only when some rank has one. Ranks with the
     same message are named together, so a problem every rank saw reads once.
     """
-    (ok,) = agree([0.0 if problem else 1.0], op="min", device=device, group=group)
+    if problem is not None and not problem:
+        problem = "failed without a message"  # an empty message is still a failure
+    (ok,) = agree([0.0 if problem is not None else 1.0], op="min", device=device, group=group)
     if ok:
         return None
     if not distributed_ready():

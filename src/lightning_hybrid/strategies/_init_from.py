@@ -361,6 +361,6 @@ def load_pretrained(module: nn.Module, plan: WeightsPlan, source: WeightsSource)
         if rows is not None and rows[0] == rows[1]:
             continue  # this rank holds no rows of a short tensor
         value = source.read(plan.source_of[name], rows)
-        tensor.copy_(value.to(tensor.device))
+        tensor.copy_(value)  # to the tensor's device and dtype in one copy
         read += value.numel() * value.element_size()
     return read

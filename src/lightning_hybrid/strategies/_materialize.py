@@ -24,11 +24,21 @@ from collections.abc import Callable, Generator, Iterable
 import torch
 from torch import nn
 
-__all__ = ["block_seed", "has_meta_tensors", "materialize", "materialize_module", "seeded_init"]
+__all__ = ["block_seed", "has_meta_tensors", "materialize", "materialize_module", "seeded_init", "tied_on_meta"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def tied_on_meta(module: nn.Module) -> list[list[str]]:
+    """Names of meta parameters shared by several names (tied weights): materialising blocks one at a time
+    would give each name its own tensor, so they are refused (on the whole module, the same on every rank)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def block_seed(name: str, seed: int | None = None) -> int:
@@ -42,7 +52,7 @@ def block_seed(name: str, seed: int | None = None) -> int:
 def seeded_init(name: str, seed: int | None = None) -> Generator[None, None, None]:
     """Random initialisation of block ``name`` inside draws from its own stream (the global one is untouched)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(block_seed(name, seed))
+        torch.default_generator.manual_seed(block_seed(name, seed))  # the CPU stream only: accelerators untouched
         yield
 
 

@@ -116,7 +116,8 @@ def _optimizer_template(
             continue
         if isinstance(meta, TensorStorageMetadata):
             # a per-element state loads only this rank's slice; scalars load whole
-            part = sharded.state_template(rest.rpartition(".")[0], meta.size, meta.properties.dtype)
+            name, _, state_key = rest.rpartition(".")
+            part = sharded.state_template(name, meta.size, meta.properties.dtype, key=f"{_section}.{state_key}")
             template[sub] = part if part is not None else torch.empty(meta.size, dtype=meta.properties.dtype)
         elif isinstance(meta, BytesStorageMetadata):
             template[sub] = None

@@ -104,6 +104,7 @@ class FlatShardedOptimizer:
             pg["params"] = chunks
         # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
         self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
+        self._templates: dict[tuple[int, str, torch.dtype], Tensor] = {}  # shared loading buffers
 
     @staticmethod
     @torch.no_grad()
@@ -205,21 +206,28 @@ class FlatShardedOptimizer:
                 out[name] = self._sharded_view(g, p, off, [(0, local.detach())])
         return out
 
-    def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype) -> FlatShard | None:
-        """An empty FlatShard for the per-element state of parameter ``name`` (this rank's part only), or
-        None if ``shape`` is not the parameter's (then the value is not per-element)."""
+    def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype, key: str = "") -> FlatShard | None:
+        """An empty FlatShard for the per-element state ``key`` of parameter ``name`` (this rank's part only),
+        or None if ``shape`` is not the parameter's (then the value is not per-element). The parameters of a
+        group share one shard-sized buffer per state key (their boxes do not overlap), so loading holds the
+        state once, not once per parameter."""
         if name not in self._where:
             return None
         g, p, off = self._where[name]
         if tuple(shape) != tuple(p.shape) or p.dim() == 0:
             return None
-        local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
+        slot = (id(g), key, dtype)
+        local = self._templates.get(slot)
+        if local is None:
+            local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
+            self._templates[slot] = local
         return self._sharded_view(g, p, off, [(0, local)])
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
         """Inverse of :meth:`flat_state_dict`; each rank keeps its own slice (no communication). Values may be
         this rank's :class:`FlatShard` parts (see :meth:`state_template`) or full tensors."""
+        self._templates.clear()  # the values below are views of them until copied into each group's state
         for pg, g in zip(self.optimizer.param_groups, self.groups):
             first = g.names[0]
             prefix = f"param_groups.{first}."

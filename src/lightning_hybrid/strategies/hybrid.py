@@ -55,7 +55,7 @@ from lightning_hybrid.strategies._layout import (
     check_choices,
     resolve_layout,
 )
-from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module
+from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
 from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module
 from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies._state import load_sharded_checkpoint, model_state, optimizer_state
@@ -300,6 +300,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
             reshard_after_forward=self._zero_config.reshard_after_forward,
         )
         pretrained = self._plan_pretrained(module)  # on the whole module, before the pipeline cuts it
+        meta_built = has_meta_tensors(module)  # decided on the whole module: the same on every rank
+        tied = tied_on_meta(module) if meta_built else []
+        if tied:
+            raise ValueError(
+                f"{type(module).__name__} ties parameters built on the meta device ({tied[:3]}): materialising it"
+                " block by block would untie them. Build the model normally, or tie the weights after the"
+                " strategy set it up (tied weights across pipeline stages are not supported yet)."
+            )
         if layout.pipeline_parallel_size > 1:
             check_pipeline_contract(module)
             loss_scaling = pipeline_loss_scaling(self.precision_plugin)
@@ -317,16 +325,23 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"
                 " torch.utils.checkpoint inside the model."
             )
-        if has_meta_tensors(module):
+        if meta_built:
             # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
             seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())))
-            materialize_module(
-                module,
-                device=self.root_device,
-                seed=seed,
-                then=plan.shard if layout.zero_stage == 3 else None,
-                loaded=pretrained is not None,
-            )
+            problem = None
+            try:
+                materialize_module(
+                    module,
+                    device=self.root_device,
+                    seed=seed,
+                    then=plan.shard if layout.zero_stage == 3 else None,
+                    loaded=pretrained is not None,
+                )
+            except Exception as exc:  # this rank's blocks only: the others must not wait for it in a collective
+                problem = f"{type(exc).__name__}: {exc}"
+            problem = agreed_problem(problem, device=self.root_device)
+            if problem:
+                raise ValueError(f"materialising the meta-built module failed: {problem}")
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if layout.zero_stage == 3:
@@ -360,7 +375,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             source = open_weights(weights.path)
             pretrained = source, plan_pretrained(weights, source, expected_names(module))
         except Exception as exc:  # a file missing on one node must not leave the other ranks in a collective
-            problem = str(exc) if isinstance(exc, ValueError) else f"init_from={str(weights.path)!r}: {exc!r}"
+            problem = (
+                str(exc) if isinstance(exc, ValueError) and str(exc) else f"init_from={str(weights.path)!r}: {exc!r}"
+            )
         problem = agreed_problem(problem, device=self.root_device)
         if problem:
             raise ValueError(problem)
