@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +93,17 @@ def write_report(out: str | Path, report: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report))
     tmp.replace(path)
+
+
+def run_worker(main: Callable[[dict[str, Any]], None]) -> None:
+    """``main(config)`` with the config file named on the command line; a failure is reported (each rank's
+    message, for the test to compare) and raised again."""
+    config = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        main(config)
+    except BaseException as exc:
+        write_report(
+            config["out"],
+            {"rank": rank(), "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
+        )
+        raise

@@ -6,14 +6,10 @@ loaded) and writes a sharded checkpoint; the test consolidates it and compares w
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import lightning as L
-from common import ExactDataModule, build_model, rank, write_report
+from common import ExactDataModule, build_model, rank, run_worker, write_report
 from train_gpt import RecordLoss
 
 from lightning_hybrid.strategies import HybridParallelStrategy, PretrainedWeights
@@ -55,12 +51,4 @@ def main(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    config = json.loads(Path(sys.argv[1]).read_text())
-    try:
-        main(config)
-    except BaseException as exc:  # report the message each rank failed with, then fail
-        write_report(
-            config["out"],
-            {"rank": rank(), "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
-        )
-        raise
+    run_worker(main)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from common import ExactDataModule, build_model, rank, write_report
+from common import ExactDataModule, build_model, rank, run_worker, write_report
 from lightning.pytorch.callbacks import Callback
 
 from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit, ZeroConfig
@@ -82,12 +78,4 @@ def main(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    config = json.loads(Path(sys.argv[1]).read_text())
-    try:
-        main(config)
-    except BaseException as exc:  # report the message each rank failed with, then fail
-        write_report(
-            config["out"],
-            {"rank": rank(), "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
-        )
-        raise
+    run_worker(main)

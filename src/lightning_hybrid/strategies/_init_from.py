@@ -30,7 +30,16 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["KeyMap", "PretrainedWeights", "WeightsPlan", "load_pretrained", "open_weights", "plan_pretrained"]
+__all__ = [
+    "KeyMap",
+    "PretrainedWeights",
+    "WeightsPlan",
+    "agreed_load",
+    "agreed_plan",
+    "load_pretrained",
+    "open_weights",
+    "plan_pretrained",
+]
 
 KeyMap = Union[Mapping[str, Union[str, Sequence[str]]], Callable[[str], Union[str, Sequence[str], None]]]
 
@@ -363,4 +372,38 @@ def load_pretrained(module: nn.Module, plan: WeightsPlan, source: WeightsSource)
         value = source.read(plan.source_of[name], rows)
         tensor.copy_(value)  # to the tensor's device and dtype in one copy
         read += value.numel() * value.element_size()
+    return read
+
+
+def agreed_plan(
+    weights: PretrainedWeights, module: nn.Module, device: torch.device
+) -> tuple[WeightsSource, WeightsPlan]:
+    """Open the source and plan it against the whole ``module``, every rank together: a problem on any rank
+    (a file missing on one node, a key that does not fit) raises the same ``ValueError`` on every rank."""
+    from lightning_hybrid._agree import agreed_problem
+
+    problem, pretrained = None, None
+    try:
+        source = open_weights(weights.path)
+        pretrained = source, plan_pretrained(weights, source, expected_names(module))
+    except Exception as exc:  # no rank may be left waiting in a collective
+        problem = str(exc) if isinstance(exc, ValueError) and str(exc) else f"init_from={str(weights.path)!r}: {exc!r}"
+    problem = agreed_problem(problem, device=device)
+    if problem or pretrained is None:
+        raise ValueError(problem)
+    return pretrained
+
+
+def agreed_load(module: nn.Module, source: WeightsSource, plan: WeightsPlan, device: torch.device) -> int:
+    """:func:`load_pretrained` on every rank together; returns this rank's bytes read."""
+    from lightning_hybrid._agree import agreed_problem
+
+    problem, read = None, 0
+    try:
+        read = load_pretrained(module, plan, source)
+    except Exception as exc:  # e.g. a shard truncated on one node: every rank stops with the reason
+        problem = f"init_from={str(plan.weights.path)!r}: reading the weights failed: {exc!r}"
+    problem = agreed_problem(problem, device=device)
+    if problem:
+        raise ValueError(problem)
     return read

@@ -119,9 +119,31 @@ def materialize_module(
     seed: int,
     then: Callable[[nn.Module], None] | None,
     loaded: bool = False,
+    agree_on: torch.device | None = None,
 ) -> None:
     """Materialise what is left of a meta-built LightningModule: each block of ``module.layers`` (those this
-    rank kept), then every other child with meta tensors. Anything still on meta then is an error."""
+    rank kept), then every other child with meta tensors. Anything still on meta then is an error.
+
+    ``agree_on``: the device of an agreement over the world: a failure on any rank's blocks raises the same
+    ``ValueError`` on every rank (each rank materialises different blocks under a pipeline)."""
+    if agree_on is None:
+        _materialize_module(module, device=device, seed=seed, then=then, loaded=loaded)
+        return
+    from lightning_hybrid._agree import agreed_problem
+
+    problem = None
+    try:
+        _materialize_module(module, device=device, seed=seed, then=then, loaded=loaded)
+    except Exception as exc:  # this rank's blocks only: the others must not wait for it in a collective
+        problem = f"{type(exc).__name__}: {exc}"
+    problem = agreed_problem(problem, device=agree_on)
+    if problem:
+        raise ValueError(f"materialising the meta-built module failed: {problem}")
+
+
+def _materialize_module(
+    module: nn.Module, *, device: torch.device, seed: int, then: Callable[[nn.Module], None] | None, loaded: bool
+) -> None:
     init_block = getattr(module, "init_block", None)  # the documented, optional hook of the module
     init_block = init_block if callable(init_block) else None
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None

@@ -21,6 +21,7 @@ produce gradients for the same parameters in each backward (as DDP requires by d
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 __all__ = ["BucketGradients", "FlatGradients", "GroupGradients", "WindowGradients"]
 
 
-class GroupGradients:
+class GroupGradients(ABC):
     """The gradients of one flat parameter group (``params`` at ``offsets`` of a buffer of ``padded``)."""
 
     averaged_every_backward = False  # whether the gradient is the replicas' mean after each backward
@@ -46,12 +47,12 @@ class GroupGradients:
         ref = params[0]
         self.dtype, self.device = ref.dtype, ref.device
 
-    def after_backward(self) -> None:
+    def after_backward(self) -> None:  # noqa: B027 (an optional hook: most subclasses have nothing to do)
         """A backward (one micro-batch) finished."""
 
+    @abstractmethod
     def reduce(self, shard: nn.Parameter) -> None:
         """The window closed: ``shard.grad`` becomes this rank's slice of the replicas' mean gradient."""
-        raise NotImplementedError
 
     def after_step(self, shard: nn.Parameter) -> None:
         shard.grad = None

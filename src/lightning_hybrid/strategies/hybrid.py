@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
@@ -37,15 +36,7 @@ from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, w
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
 from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync, named_parameters
-from lightning_hybrid.strategies._init_from import (
-    PretrainedWeights,
-    WeightsPlan,
-    WeightsSource,
-    expected_names,
-    load_pretrained,
-    open_weights,
-    plan_pretrained,
-)
+from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.strategies._layout import (
     PRESETS,
     Layout,
@@ -299,7 +290,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             bf16=self.precision_plugin.precision == "bf16-mixed",
             reshard_after_forward=self._zero_config.reshard_after_forward,
         )
-        pretrained = self._plan_pretrained(module)  # on the whole module, before the pipeline cuts it
+        # init_from is planned on the whole module, before the pipeline cuts it
+        init_from = self._init_from
+        pretrained = agreed_plan(init_from, module, self.root_device) if init_from is not None else None
         meta_built = has_meta_tensors(module)  # decided on the whole module: the same on every rank
         tied = tied_on_meta(module) if meta_built else []
         if tied:
@@ -328,26 +321,21 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if meta_built:
             # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
             seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())))
-            problem = None
-            try:
-                materialize_module(
-                    module,
-                    device=self.root_device,
-                    seed=seed,
-                    then=plan.shard if layout.zero_stage == 3 else None,
-                    loaded=pretrained is not None,
-                )
-            except Exception as exc:  # this rank's blocks only: the others must not wait for it in a collective
-                problem = f"{type(exc).__name__}: {exc}"
-            problem = agreed_problem(problem, device=self.root_device)
-            if problem:
-                raise ValueError(f"materialising the meta-built module failed: {problem}")
+            materialize_module(
+                module,
+                device=self.root_device,
+                seed=seed,
+                then=plan.shard if layout.zero_stage == 3 else None,
+                loaded=pretrained is not None,
+                agree_on=self.root_device,
+            )
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if layout.zero_stage == 3:
             shard_fully(module, stages=stages, plan=plan)
         if pretrained is not None:
-            self._load_pretrained(module, *pretrained)
+            self._pretrained_bytes_read = agreed_load(module, *pretrained, self.root_device)
+            log.info(f"[rank {self.global_rank}] init_from: read {self._pretrained_bytes_read / 2**20:.1f} MiB")
         if stages:
             self._runner = PipelineRunner(
                 module,
@@ -364,37 +352,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
             device=self.root_device,
             data_parallel_group=self.data_parallel_group,
             pipeline_group=self.pipeline_group,
-        )
-
-    def _plan_pretrained(self, module: nn.Module) -> Union[tuple[WeightsSource, WeightsPlan], None]:
-        weights = self._init_from
-        if weights is None:
-            return None
-        problem, pretrained = None, None
-        try:
-            source = open_weights(weights.path)
-            pretrained = source, plan_pretrained(weights, source, expected_names(module))
-        except Exception as exc:  # a file missing on one node must not leave the other ranks in a collective
-            problem = (
-                str(exc) if isinstance(exc, ValueError) and str(exc) else f"init_from={str(weights.path)!r}: {exc!r}"
-            )
-        problem = agreed_problem(problem, device=self.root_device)
-        if problem:
-            raise ValueError(problem)
-        return pretrained
-
-    def _load_pretrained(self, module: nn.Module, source: WeightsSource, plan: WeightsPlan) -> None:
-        problem = None
-        try:
-            self._pretrained_bytes_read = load_pretrained(module, plan, source)
-        except Exception as exc:  # e.g. a shard truncated on one node: every rank stops with the reason
-            problem = f"init_from={str(plan.weights.path)!r}: reading the weights failed: {exc!r}"
-        problem = agreed_problem(problem, device=self.root_device)
-        if problem:
-            raise ValueError(problem)
-        log.info(
-            f"[rank {self.global_rank}] init_from {plan.weights.path}: read {self._pretrained_bytes_read / 2**20:.1f}"
-            " MiB (this rank's tensors only)"
         )
 
     @property
