@@ -111,6 +111,9 @@ def worker(cfg: dict[str, Any]) -> None:
                 fully_shard(block, mesh=mesh)
             fully_shard(self, mesh=mesh)
 
+    if kind.startswith("plain_"):
+        _plain_loop(cfg, model_kwargs, loader, baseline)
+        return
     held: list[Any] = []  # what a naive rank keeps while it loads
     if kind == "ddp":
         model, strategy = GPT(**model_kwargs), "ddp"
@@ -168,12 +171,62 @@ def worker(cfg: dict[str, Any]) -> None:
     held.clear()
 
 
+def _plain_loop(cfg: dict[str, Any], model_kwargs: dict[str, Any], loader: Any, baseline: int) -> None:
+    """The floor: torch's DDP or FSDP2 in a plain loop, no Lightning (``zero_grad(set_to_none=True)`` before
+    each forward, so the previous step's gradients are gone while activations build up)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = GPT(**model_kwargs)
+    psi = sum(p.numel() for p in model.layers.parameters())
+    if cfg["kind"] == "plain_fsdp":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        net: Any = fully_shard(model, mesh=mesh)
+    else:
+        net = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    setup_peak = _status("VmHWM") - baseline
+    _reset_peak()
+    sampler, steps, batches = _Sampler(), [], iter(loader)
+    last_start = 0
+    for step in range(cfg["steps"]):
+        if step == cfg["steps"] - 1:
+            last_start = _status("VmRSS")
+            sampler.start()
+        t0 = time.perf_counter()
+        inputs, target = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.pipeline_loss(net(inputs), target)
+        loss.backward()
+        optimizer.step()
+        steps.append(time.perf_counter() - t0)
+    sampler.stop()
+    report = {
+        "rank": rank, "psi": psi, "setup_peak": setup_peak, "step_peak": _status("VmHWM") - baseline,
+        "baseline": baseline, "last_step_rise": _status("VmHWM") - last_start,
+        "step_time": statistics.median(steps[1:]), "samples": [(t, rss - baseline) for t, rss in sampler.samples],
+    }  # fmt: skip
+    report["peak"] = max(report["step_peak"], report["setup_peak"])
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
 def zero_formula(kind: str, n: int) -> float:
     """Bytes per parameter of fp32 params + grads + Adam state per rank (ZeRO paper, K = 8 for Adam)."""
-    return {"ddp": 16.0, "model_parallel": 16 / n, "z0": 16.0, "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n,
+    return {"ddp": 16.0, "plain_ddp": 16.0, "plain_fsdp": 16 / n, "model_parallel": 16 / n, "z0": 16.0, "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n,
             "z3": 16 / n}[kind]  # fmt: skip
 
 
@@ -183,7 +236,8 @@ def draw(runs: dict[str, list[dict[str, Any]]], psi: int, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True)
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (label, reports) in zip(axes, runs.items()):
         for rep in reports:
             t = [s[0] for s in rep["samples"]]
@@ -207,15 +261,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="run only these rows (labels as printed)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--mmap-threshold", default=MMAP_THRESHOLD, help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes)")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
         return
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # the jobs inherit it
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = args.mmap_threshold  # the jobs inherit it
     base = {"block_size": 64, "batch_size": 1, "n_layer": args.n_layer, "d_model": args.d_model, "steps": args.steps}
     once = {"zero": {"reduce_gradients": "once_per_step"}}
     rows = {
+        "torch DDP, plain loop": ("plain_ddp", {"kind": "plain_ddp"}),
+        "torch FSDP2, plain loop": ("plain_fsdp", {"kind": "plain_fsdp"}),
         "Lightning DDP": ("ddp", {"kind": "ddp"}),
         "Lightning ModelParallel": ("model_parallel", {"kind": "model_parallel"}),
         "hybrid zero_stage=0": ("z0", {"kind": "hybrid", "strategy": {"zero_stage": 0}}),
@@ -281,7 +338,7 @@ def main() -> None:
     psi = next(iter({**results, **setup_results, **act_results}.values()))[0]["psi"]
     lines = [
         f"Per-rank PEAK resident memory, 2 CPU processes, GPT d_model={args.d_model} n_layer={args.n_layer}"
-        f" ({psi / 1e6:.1f}M parameters, {psi * 4 / 1e6:.0f} MB fp32), AdamW, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}",
+        f" ({psi / 1e6:.1f}M parameters, {psi * 4 / 1e6:.0f} MB fp32), AdamW, MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}",
         "",
         f"| {'layout':<34} | {'peak MB (max rank)':>18} | {'formula MB':>10} | {'peak / formula':>14} |"
         f" {'step s':>7} |",

@@ -7,7 +7,9 @@ optimizer step:
    hooks and clipping see the gradients;
 2. ``grad_norm(grads)``: the L2 norm of the whole model's gradient (all stages, all shards), the same on
    every rank, for clipping;
-3. ``after_step(optimizer)``: after the optimizer stepped.
+3. ``after_step(optimizer)``: after the optimizer stepped. The gradients it used are freed there (as
+   DeepSpeed's engine does): Lightning would zero them only after the next forward, so without this the
+   previous step's gradients and the next forward's activations are alive at the same time, at the peak.
 
 ZeRO-0 all-reduces the gradients bucket by bucket; ZeRO-1/2 reduce into each rank's flat shard and gather
 the updated parameters back (:class:`FlatShardedOptimizer`); ZeRO-3 has nothing to do (FSDP2 reduce-
@@ -62,7 +64,9 @@ class GradientSync:
         pass
 
     def after_step(self, optimizer: Optimizer) -> None:
-        pass
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     @property
     def _norm_group(self) -> dist.ProcessGroup | None:

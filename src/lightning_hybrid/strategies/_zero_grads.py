@@ -152,7 +152,8 @@ class BucketGradients(GroupGradients):
 
     def __init__(self, *args: Any, bucket_numel: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        # this rank's slice of the window's gradient: from the window's first reduction until the step
+        self.shard_grad: Tensor | None = None
         self.buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
         start, members = 0, []
@@ -202,7 +203,7 @@ class BucketGradients(GroupGradients):
             piece = flat[lo - bucket.lo : hi - bucket.lo]
             dist.reduce(piece, dst=dist.get_global_rank(self.group, owner), group=self.group)
             if owner == self.rank:
-                self.shard_grad[lo - base : hi - base] += piece
+                self._shard_grad()[lo - base : hi - base] += piece
         bucket.buffer, bucket.arrived = None, set()
 
     def after_backward(self) -> None:
@@ -212,14 +213,19 @@ class BucketGradients(GroupGradients):
             if bucket.arrived or any(self.params[i].grad is not None for i in bucket.members):
                 self._reduce_bucket(bucket)
 
+    def _shard_grad(self) -> Tensor:
+        if self.shard_grad is None:
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self.shard_grad
+
     def reduce(self, shard: nn.Parameter) -> None:
         self.after_backward()
-        shard.grad = self.shard_grad.div_(self.world)  # in place: zeroed again after the step
+        shard.grad = self._shard_grad().div_(self.world)  # in place
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
-        shard.grad = None
-        self.shard_grad.zero_()
+        # freed, not zeroed: the next window allocates it at its first reduction, after the forward
+        shard.grad = self.shard_grad = None
 
     def local_gradients(self) -> list[Tensor]:
-        return [self.shard_grad / self.world]  # the replicas' mean so far (disjoint shards)
+        return [self._shard_grad() / self.world]  # the replicas' mean so far (disjoint shards)
