@@ -226,8 +226,8 @@ def _plain_loop(cfg: dict[str, Any], model_kwargs: dict[str, Any], loader: Any, 
 
 def zero_formula(kind: str, n: int) -> float:
     """Bytes per parameter of fp32 params + grads + Adam state per rank (ZeRO paper, K = 8 for Adam)."""
-    return {"ddp": 16.0, "plain_ddp": 16.0, "plain_fsdp": 16 / n, "model_parallel": 16 / n, "z0": 16.0, "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n,
-            "z3": 16 / n}[kind]  # fmt: skip
+    return {"ddp": 16.0, "plain_ddp": 16.0, "plain_fsdp": 16 / n, "model_parallel": 16 / n, "z0": 16.0,
+            "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n, "z3": 16 / n}[kind]  # fmt: skip
 
 
 def draw(runs: dict[str, list[dict[str, Any]]], psi: int, path: Path) -> None:
@@ -338,7 +338,8 @@ def main() -> None:
     psi = next(iter({**results, **setup_results, **act_results}.values()))[0]["psi"]
     lines = [
         f"Per-rank PEAK resident memory, 2 CPU processes, GPT d_model={args.d_model} n_layer={args.n_layer}"
-        f" ({psi / 1e6:.1f}M parameters, {psi * 4 / 1e6:.0f} MB fp32), AdamW, MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}",
+        f" ({psi / 1e6:.1f}M parameters, {psi * 4 / 1e6:.0f} MB fp32), AdamW,"
+        f" MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}",
         "",
         f"| {'layout':<34} | {'peak MB (max rank)':>18} | {'formula MB':>10} | {'peak / formula':>14} |"
         f" {'step s':>7} |",
