@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -73,6 +74,9 @@ def worker(cfg: dict[str, Any]) -> None:
     trainer.fit(model, train_dataloaders=loader)
     out = {"rank": trainer.global_rank, "step_time": statistics.median(times[2:])}
     Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
+    # what is timed is done: leave without the interpreter's shutdown (an older revision may abort in it)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def export(rev: str, into: Path) -> Path:
@@ -113,6 +117,7 @@ def main() -> None:
                 job = {**base, "tree": str(trees[side]), "strategy": strategy, "accumulate": k}
                 reports = run_job(__file__, job, 2, tmp / "jobs" / side, timeout=900)
                 times[label][side].append(max(r["step_time"] for r in reports))
+                print(f"  {times[label][side][-1]:.3f} s/step", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     head_name = "working tree" if args.head == "WORKTREE" else args.head
