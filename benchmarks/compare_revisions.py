@@ -94,9 +94,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--base", required=False, default="e8cffc0", help="revision to compare against")
     parser.add_argument("--head", default="WORKTREE", help="revision to compare (default: the working tree)")
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--n-layer", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=384)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.worker:
