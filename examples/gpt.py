@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
 import lightning_hybrid  # noqa: F401  (registers the "hybrid" strategy names)
+from lightning_hybrid.optim import LAMB, LARS
 from lightning_hybrid.strategies import seeded_init
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -185,7 +186,8 @@ class GPT(L.LightningModule):
         dropout: dropout probability (keep 0.0 to compare pipelined runs with unpipelined ones exactly).
         lr: peak learning rate.
         weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
-        optimizer: ``"adamw"`` or ``"sgd"`` (plain SGD makes exactness checks easy to reason about).
+        optimizer: ``"adamw"``, ``"sgd"`` (plain SGD makes exactness checks easy to reason about), or the
+            layer-wise ``"lamb"`` / ``"lars"`` of :mod:`lightning_hybrid.optim` (large-batch training).
         warmup_steps: linear LR warm-up before a cosine decay to 10% at ``max_steps`` (0 keeps LR constant).
         max_steps: length of the cosine schedule.
         build_on_meta: build the blocks on the meta device in ``configure_model`` (nothing allocated);
@@ -287,8 +289,12 @@ class GPT(L.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         elif hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "lamb":
+            optimizer = LAMB(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "lars":
+            optimizer = LARS(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         else:
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {hp.optimizer!r}")
+            raise ValueError(f"optimizer must be 'adamw', 'sgd', 'lamb' or 'lars', got {hp.optimizer!r}")
         if hp.warmup_steps <= 0:
             return optimizer
 

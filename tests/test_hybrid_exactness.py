@@ -11,10 +11,13 @@ STEPS = 3
 BASE = {"model": {"optimizer": "sgd", "lr": 0.5, "n_layer": 4}, "data": {"global_batch": 8}, "steps": STEPS}
 
 
-def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1, clip=None, meta=False):
+def _run_layout(
+    tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1, clip=None, meta=False, model=None, atol=1e-4
+):
+    base = {**BASE, "model": {**BASE["model"], **(model or {})}}
     cfg = {
-        **BASE,
-        "model": {**BASE["model"], "build_on_meta": meta == "configure_model"},
+        **base,
+        "model": {**base["model"], "build_on_meta": meta == "configure_model"},
         "empty_init": meta == "init_module",
         "strategy": {"name": "hybrid_class", "kwargs": kwargs},
         "devices": nproc // nnodes,
@@ -25,7 +28,7 @@ def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1
         "weights": str(tmp_path / "weights.pt"),
     }
     job = launch("train_gpt.py", cfg, nproc=nproc, nnodes=nnodes)
-    ref_losses, ref_weights = reference_run(BASE, steps=STEPS, accumulate=accumulate, clip=clip)
+    ref_losses, ref_weights = reference_run(base, steps=STEPS, accumulate=accumulate, clip=clip)
     losses = [job.rank(r)["losses"] for r in range(nproc)]
     if kwargs.get("pipeline_parallel_size", 1) > 1:
         # the strategy returns the step's mean loss, identical on every rank
@@ -40,9 +43,9 @@ def _run_layout(tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1
     weights = torch.load(tmp_path / "weights.pt")
     assert weights.keys() == ref_weights.keys()
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=0, atol=1e-4, msg=f"weight {name} differs")
+        torch.testing.assert_close(weights[name], ref, rtol=0, atol=atol, msg=f"weight {name} differs")
     # the weights must have moved: a strategy that never stepped would fail above, but make it explicit
-    init = reference_run(BASE, steps=0)[1]
+    init = reference_run(base, steps=0)[1]
     assert max((ref_weights[k] - init[k]).abs().max() for k in init) > 1e-3
     return job
 
@@ -170,3 +173,33 @@ def test_meta_built_model_matches_the_eagerly_built_single_process_run(tmp_path,
     materialises only its blocks; the per-block seeded initialisation makes every layout start from (and train
     to) what the ordinary, eagerly built model does in one process."""
     _run_layout(tmp_path, kwargs, nproc=nproc, meta=meta)
+
+
+PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
+DP2 = {"data_parallel_size": 2}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("optimizer", "kwargs", "nproc"),
+    [
+        (opt, kwargs, nproc)
+        for opt in ("lamb", "lars")
+        for kwargs, nproc in [
+            (PP2, 2),
+            ({**DP2, "zero_stage": 1}, 2),
+            # tiny buckets: the optimizer's chunks cut across tensors, and tensors across the two ranks' shards
+            ({**DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 2),
+            ({**DP2, "zero_stage": 3}, 2),
+            ({**PP2, **DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 4),
+        ]
+    ],
+    ids=[f"{o}-{n}" for o in ("lamb", "lars") for n in ("pp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2xdp2-zero2")],
+)
+def test_layerwise_optimizers_match_single_process(tmp_path, optimizer, kwargs, nproc):
+    """LAMB's and LARS's trust ratios are whole-tensor norms under every layout: summed over the ZeRO shards
+    (flat chunks or FSDP2 rows), never over pipeline stages."""
+    lr = {"lamb": 0.02, "lars": 10.0}[optimizer]  # LARS's trust coefficient (1e-3) scales its steps down
+    # tighter than the other layouts' 1e-4: a norm taken over one rank's shard only moves LAMB's weights ~3e-5
+    model = {"optimizer": optimizer, "lr": lr, "weight_decay": 0.01}
+    _run_layout(tmp_path, kwargs, nproc=nproc, model=model, atol=5e-6)

@@ -11,7 +11,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["PipelineLossScaling", "ReportsGradientLayout", "ShardedCheckpointing", "SkipsNonFiniteSteps"]
+__all__ = [
+    "PipelineLossScaling",
+    "ReportsGradientLayout",
+    "ShardedCheckpointing",
+    "SkipsNonFiniteSteps",
+    "TakesTensorPartition",
+]
 
 
 @runtime_checkable
@@ -49,3 +55,11 @@ class ReportsGradientLayout(Protocol):
     def current_gradients(self, module: Any) -> list[Tensor]:
         """This rank's part of the gradient accumulated so far in the accumulation window."""
         ...
+
+
+@runtime_checkable
+class TakesTensorPartition(Protocol):
+    """An optimizer whose update needs whole-tensor norms: a strategy that steps it on flat slices tells it
+    which model tensor each element belongs to (``lightning_hybrid.optim.TensorPartition``)."""
+
+    def set_tensor_partition(self, partition: Any) -> None: ...

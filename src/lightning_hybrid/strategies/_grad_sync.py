@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._protocols import TakesTensorPartition
+from lightning_hybrid.optim._shardable import check_shardable
 from lightning_hybrid.strategies._layout import ZeroConfig
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
 
@@ -51,7 +53,9 @@ class GradientSync:
     optimizer_holds_model_parameters = True
 
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        """Take charge of the optimizers (before their first step)."""
+        """Take charge of the optimizers (before their first step): refuse one that sharding would change."""
+        for optimizer in optimizers:
+            check_shardable(optimizer, self.zero_stage)
 
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished."""
@@ -154,6 +158,7 @@ class ShardedOptimizerGradients(GradientSync):
         return bool(self._sharded) and all(s.averaged_every_backward for s in self._sharded.values())
 
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        super().attach(optimizers, names)
         bucket = int(self.config.bucket_size_mb * 2**20)
         self._sharded = {
             id(opt): FlatShardedOptimizer(
@@ -166,6 +171,9 @@ class ShardedOptimizerGradients(GradientSync):
             )
             for opt in optimizers
         }
+        for opt in optimizers:
+            if isinstance(opt, TakesTensorPartition):  # per-tensor norms over the flat slices it steps
+                opt.set_tensor_partition(self._sharded[id(opt)].tensor_partition())
 
     def after_backward(self) -> None:
         for sharded in self._sharded.values():

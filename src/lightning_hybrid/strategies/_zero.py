@@ -6,8 +6,10 @@ schedulers and Lightning hold references to it) but its groups then hold a singl
 optimizer state is allocated for ``1/N`` of the parameters (ZeRO-1). With ZeRO-2 the gradients are
 reduce-scattered instead of all-reduced and the full gradients are freed before the step.
 
-This is exact only for element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...): an optimizer
-that takes per-tensor norms (LAMB, Adafactor) would see a shard instead of a tensor.
+Element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) are exact on a shard; an optimizer that
+needs whole-tensor norms is told which tensor each element of its chunks belongs to
+(:meth:`tensor_partition`, used by ``lightning_hybrid.optim.LAMB`` / ``LARS``); any other is refused at
+set-up (``lightning_hybrid.optim._shardable``).
 
 Checkpoints keep the layout-free, name-keyed form (one entry per parameter, of the parameter's shape), but
 each rank contributes only its slice: a rank's flat range of a parameter is cut into boxes (each contiguous,
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_boxes, flat_index
+from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._zero_grads import BucketGradients, FlatGradients, GroupGradients, WindowGradients
 
 __all__ = ["FlatShardedOptimizer"]
@@ -69,7 +72,12 @@ class FlatShardedOptimizer:
         bucket_numel: int = 2**22,
     ) -> None:
         assert zero_stage in (1, 2), zero_stage  # the layout validated it
-        if optimizer.state:
+        fresh_adagrad = isinstance(optimizer, torch.optim.Adagrad) and all(
+            float(s.get("step", 0)) == 0 for s in optimizer.state.values()
+        )
+        if fresh_adagrad:  # Adagrad creates its state in its constructor: created again below, for the chunks
+            optimizer.state.clear()
+        elif optimizer.state:
             raise RuntimeError("the optimizer already has state; shard it before the first step")
         self.optimizer = optimizer
         self.group = group
@@ -102,6 +110,12 @@ class FlatShardedOptimizer:
                 _FlatGroup(params, [names[p] for p in params], offsets, flat, shard, grads, chunks, slices)
             )
             pg["params"] = chunks
+            if fresh_adagrad:
+                for c in chunks:
+                    optimizer.state[c] = {
+                        "step": torch.zeros((), device=c.device) if pg.get("fused") else torch.tensor(0.0),
+                        "sum": torch.full_like(c, pg["initial_accumulator_value"]),
+                    }
         # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
         self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
         self._templates: dict[tuple[int, str, torch.dtype], Tensor] = {}  # shared loading buffers
@@ -122,6 +136,18 @@ class FlatShardedOptimizer:
 
     def _shard_slice(self, g: _FlatGroup) -> slice:
         return slice(self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel)
+
+    def tensor_partition(self) -> TensorPartition:
+        """Which model tensor each element of each stepped chunk belongs to (for per-tensor norms)."""
+        segments: dict[Tensor, list[tuple[int, int, int]]] = {}
+        first = 0
+        for g in self.groups:
+            base = self.rank * g.shard_numel
+            numels = [p.numel() for p in g.params]
+            chunks = [(c, base + sl.start) for c, sl in zip(g.chunks, g.slices)]
+            segments.update(TensorPartition.of_flat_ranges(chunks, g.offsets, numels, first))
+            first += len(g.params)
+        return TensorPartition(segments, first, self.group)
 
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished: ZeRO-2 hands off what its hooks did not."""
