@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--only", nargs="*", help="run only these rows (labels as printed)")
+    parser.add_argument("--pairs", type=int, default=1, help="(base, head, head, base) rounds per row")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.worker:
@@ -115,10 +117,12 @@ def main() -> None:
         # the head's ZeRO-2 reduces every micro-batch by default; its once-per-step setting is what the base did
         once = {"zero": {"reduce_gradients": "once_per_step"}}
         rows.append(("zero_stage=2 once_per_step, acc. 4", {"zero_stage": 2}, once, 4))
+        if args.only:
+            rows = [row for row in rows if row[0] in args.only]
         times: dict[str, dict[str, list[float]]] = {}
         for label, strategy, head_only, k in rows:
             times[label] = {"base": [], "head": []}
-            for side in ("base", "head", "head", "base"):
+            for side in ("base", "head", "head", "base") * args.pairs:
                 print(f"running {label} at {side} ...", flush=True)
                 kwargs = {**strategy, **(head_only if side == "head" else {})}
                 job = {**base, "tree": str(trees[side]), "strategy": kwargs, "accumulate": k}
@@ -131,7 +135,8 @@ def main() -> None:
     lines = [
         f"Step time under Lightning, 2 CPU processes (pp1 x dp2), GPT d_model={args.d_model} n_layer={args.n_layer},"
         f" AdamW, micro-batch 8 x 64 tokens; base = {args.base}, head = {head_name}; fastest step of each job"
-        " after two warm-up steps (the slowest rank), mean of two jobs per side (order base, head, head, base)",
+        f" after two warm-up steps (the slowest rank), mean of {2 * args.pairs} jobs per side"
+        " (order base, head, head, base)",
         "",
         f"| {'layout':<34} | {'base s/step':>11} | {'head s/step':>11} | {'head / base':>11} |",
         f"|{'-' * 36}|{'-' * 13}|{'-' * 13}|{'-' * 13}|",

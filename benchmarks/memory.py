@@ -227,7 +227,7 @@ def _plain_loop(cfg: dict[str, Any], model_kwargs: dict[str, Any], loader: Any, 
 def zero_formula(kind: str, n: int) -> float:
     """Bytes per parameter of fp32 params + grads + Adam state per rank (ZeRO paper, K = 8 for Adam)."""
     return {"ddp": 16.0, "plain_ddp": 16.0, "plain_fsdp": 16 / n, "model_parallel": 16 / n, "z0": 16.0,
-            "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n, "z3": 16 / n}[kind]  # fmt: skip
+            "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n, "z3": 16 / n, "z3s": 16 / n}[kind]  # fmt: skip
 
 
 def draw(runs: dict[str, list[dict[str, Any]]], psi: int, path: Path) -> None:
@@ -280,6 +280,10 @@ def main() -> None:
         "hybrid zero_stage=2": ("z2", {"kind": "hybrid", "strategy": {"zero_stage": 2}}),
         "hybrid zero_stage=2 once_per_step": ("z2w", {"kind": "hybrid", "strategy": {"zero_stage": 2, **once}}),
         "hybrid zero_stage=3": ("z3", {"kind": "hybrid", "strategy": {"zero_stage": 3}}),
+        "hybrid zero_stage=3 blocks": (
+            "z3s",
+            {"kind": "hybrid", "strategy": {"zero_stage": 3, "zero": {"shard_units": "blocks"}}},
+        ),
     }
     weights = Path(tempfile.mkdtemp(prefix="lh-memory-")) / "weights.pt"
     pp2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
@@ -358,6 +362,8 @@ def main() -> None:
         lines.append(
             f"\nhybrid ZeRO-3 / Lightning ModelParallelStrategy peak: {peaks['z3'] / peaks['model_parallel']:.2f}"
         )
+    if "plain_fsdp" in peaks and "z3" in peaks:
+        lines.append(f"hybrid ZeRO-3 / torch FSDP2 plain loop peak: {peaks['z3'] / peaks['plain_fsdp']:.2f}")
     lines.append(
         "\npeak = high-water mark of resident memory above the process's own baseline before the model existed"
         " (set-up and steps);\nformula = fp32 params + grads + AdamW state per rank (DDP 16, Z1 8+8/N, Z2 4+12/N,"

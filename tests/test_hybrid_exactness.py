@@ -71,9 +71,9 @@ def test_every_schedule_matches_single_process(tmp_path, schedule):
         (2, {"reduce_gradients": "every_microbatch", "bucket_size_mb": 0.02}),
         (2, {"reduce_gradients": "once_per_step"}),
         (3, {}),
-        (3, {"reshard_after_forward": False}),
+        (3, {"reshard_after_forward": False, "shard_units": "blocks"}),
     ],
-    ids=["zero0", "zero1-flat-gradients", "zero2-buckets", "zero2-once-per-step", "zero3", "zero3-no-reshard"],
+    ids=["zero0", "zero1-flat-gradients", "zero2-buckets", "zero2-once-per-step", "zero3", "zero3-no-reshard-blocks"],
 )
 def test_pp2_dp2_every_zero_stage_matches_single_process(tmp_path, zero_stage, zero):
     """Every ZeRO stage and gradient-reduction setting, with gradient accumulation and clipping by the global
@@ -177,6 +177,14 @@ def test_meta_built_model_matches_the_eagerly_built_single_process_run(tmp_path,
 
 PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
 DP2 = {"data_parallel_size": 2}
+LAYERWISE_LAYOUTS = {
+    "pp2": (PP2, 2),
+    "dp2-zero1": ({**DP2, "zero_stage": 1}, 2),
+    # tiny buckets: the optimizer's chunks cut across tensors, and tensors across the two ranks' shards
+    "dp2-zero2": ({**DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 2),
+    "dp2-zero3": ({**DP2, "zero_stage": 3}, 2),
+    "pp2xdp2-zero2": ({**PP2, **DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 4),
+}
 
 
 @pytest.mark.multiproc
@@ -184,17 +192,13 @@ DP2 = {"data_parallel_size": 2}
     ("optimizer", "kwargs", "nproc"),
     [
         (opt, kwargs, nproc)
-        for opt in ("lamb", "lars")
-        for kwargs, nproc in [
-            (PP2, 2),
-            ({**DP2, "zero_stage": 1}, 2),
-            # tiny buckets: the optimizer's chunks cut across tensors, and tensors across the two ranks' shards
-            ({**DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 2),
-            ({**DP2, "zero_stage": 3}, 2),
-            ({**PP2, **DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.02}}, 4),
-        ]
+        for opt, layouts in (("lamb", LAYERWISE_LAYOUTS), ("lars", ["dp2-zero1", "dp2-zero2", "pp2xdp2-zero2"]))
+        for name, (kwargs, nproc) in LAYERWISE_LAYOUTS.items()
+        if name in layouts
     ],
-    ids=[f"{o}-{n}" for o in ("lamb", "lars") for n in ("pp2", "dp2-zero1", "dp2-zero2", "dp2-zero3", "pp2xdp2-zero2")],
+    # LARS shares LAMB's norm machinery (LayerwiseOptimizer): its pp2 and FSDP2 paths are LAMB's, checked here
+    # and on crafted shards in test_optim
+    ids=[f"lamb-{n}" for n in LAYERWISE_LAYOUTS] + ["lars-dp2-zero1", "lars-dp2-zero2", "lars-pp2xdp2-zero2"],
 )
 def test_layerwise_optimizers_match_single_process(tmp_path, optimizer, kwargs, nproc):
     """LAMB's and LARS's trust ratios are whole-tensor norms under every layout: summed over the ZeRO shards
@@ -203,3 +207,20 @@ def test_layerwise_optimizers_match_single_process(tmp_path, optimizer, kwargs, 
     # tighter than the other layouts' 1e-4: a norm taken over one rank's shard only moves LAMB's weights ~3e-5
     model = {"optimizer": optimizer, "lr": lr, "weight_decay": 0.01}
     _run_layout(tmp_path, kwargs, nproc=nproc, model=model, atol=5e-6)
+
+
+@pytest.mark.multiproc
+def test_a_user_callback_failing_on_one_rank_ends_the_job_on_every_rank(tmp_path):
+    """One rank raises between steps while the other goes on into ZeRO-2's bucket reductions: the job must
+    end within seconds on both ranks (the peer's collective fails), never wait out the process-group timeout."""
+    cfg = {
+        **BASE,
+        "raise_on_rank": {"rank": 1, "step": 2},
+        "strategy": {"name": "hybrid_class", "kwargs": {**DP2, "zero_stage": 2}},
+        "devices": 2,
+        "out": str(tmp_path / "job"),
+    }
+    job = launch("train_gpt.py", {**cfg, "steps": 6}, nproc=2, timeout=90, expect_success=False)
+    assert job.returncode != 0
+    assert job.rank(1)["error"] == "RuntimeError: user callback failed on rank 1"
+    assert "error" in job.rank(0), job.rank(0)  # rank 0 failed too (its collective lost its peer)

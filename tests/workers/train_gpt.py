@@ -13,6 +13,17 @@ from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit, Z
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 
+class RaiseOnRank(Callback):
+    """A user callback that fails on one rank only (the others carry on into the next step's collectives)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"user callback failed on rank {self.rank}")
+
+
 class RecordLoss(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -46,7 +57,7 @@ def main(cfg: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[recorder],
+        callbacks=[recorder, *([RaiseOnRank(**cfg["raise_on_rank"])] if cfg.get("raise_on_rank") else [])],
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
     if cfg.get("empty_init"):  # Lightning's way to build a big model: nothing allocated until the strategy

@@ -114,11 +114,17 @@ class ZeroConfig:
         reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
             forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
             gathered until the step ends (about one stage of full parameters more, fewer all-gathers).
+        shard_units: ZeRO-3 only. ``"submodules"``: each direct child of a block that holds parameters (a
+            transformer block's attention, MLP, norms) is its own FSDP2 unit, so FSDP2's working set (the
+            gathered unit, its unsharded gradient, the prefetched next unit) is a fraction of a block.
+            ``"blocks"``: each block is one unit (torchtitan's choice): fewer, larger all-gathers and
+            reduce-scatters, faster where collectives are latency-bound, a larger peak on shallow models.
     """
 
     reduce_gradients: Literal["every_microbatch", "once_per_step"] = "every_microbatch"
     bucket_size_mb: float = 25.0
     reshard_after_forward: bool = True
+    shard_units: Literal["blocks", "submodules"] = "submodules"
 
     def __post_init__(self) -> None:
         if self.reduce_gradients not in ("every_microbatch", "once_per_step"):
@@ -130,6 +136,8 @@ class ZeroConfig:
             raise ValueError(f"bucket_size_mb must be a finite number > 0, got {size!r}.")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}.")
+        if self.shard_units not in ("blocks", "submodules"):
+            raise ValueError(f"shard_units must be 'blocks' or 'submodules', got {self.shard_units!r}.")
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             self.device_mesh[DP_AXIS],
             bf16=self.precision_plugin.precision == "bf16-mixed",
             reshard_after_forward=self._zero_config.reshard_after_forward,
+            units=self._zero_config.shard_units,
         )
         # init_from is planned on the whole module, before the pipeline cuts it
         init_from = self._init_from
@@ -325,7 +326,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 module,
                 device=self.root_device,
                 seed=seed,
-                then=plan.shard if layout.zero_stage == 3 else None,
+                then=plan.shard_block if layout.zero_stage == 3 else None,
                 loaded=pretrained is not None,
                 agree_on=self.root_device,
             )
