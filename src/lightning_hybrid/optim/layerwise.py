@@ -18,6 +18,7 @@ apply it) instead of being held for the whole shard.
 from __future__ import annotations
 
 import bisect
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -127,7 +128,7 @@ def _norm(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dtype=torch.promote_types(x.dtype, torch.float32)).double()
 
 
-class LayerwiseOptimizer(Optimizer):
+class LayerwiseOptimizer(Optimizer, metaclass=ABCMeta):
     """Base of optimizers that scale each tensor's update by a ratio of whole-tensor norms.
 
     A subclass implements :meth:`_prepare` (create and update the state with the gradient), :meth:`_update`
@@ -140,18 +141,18 @@ class LayerwiseOptimizer(Optimizer):
     def set_tensor_partition(self, partition: TensorPartition | None) -> None:
         self._partition = partition
 
+    @abstractmethod
     def _prepare(self, param: Tensor, grad: Tensor, state: dict, group: dict) -> None:
         """Update ``state`` with ``grad``; ``param`` is the optimizer's own (a DTensor stays one, so state
         created like it is sharded like it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _update(self, p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
         """The direction whose norm the trust ratio divides by (a new tensor)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _apply(self, p: Tensor, scaled: Tensor, state: dict, group: dict) -> None:
         """Step ``p`` with ``scaled``: the direction times its tensor's trust ratio (0 outside any tensor)."""
-        raise NotImplementedError
 
     def _ratio(self, w_norm: Tensor, u_norm: Tensor, group: dict) -> Tensor:
         return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm.clamp_min(1e-38), torch.ones_like(w_norm))
@@ -181,10 +182,8 @@ class LayerwiseOptimizer(Optimizer):
         for p, group in stepped:
             w, g, state = _local(p), _local(p.grad), self.state[p]
             update = self._update(w, g, state, group).contiguous()
-            pieces = _pieces(slots.segments[p], update)
-            if len(pieces) != 1 or pieces[0][1].numel() != update.numel():
-                _zero_outside(update.view(-1), slots.segments[p])  # padding stays put
-            for t, piece in pieces:
+            _zero_outside(update.view(-1), slots.segments[p])  # padding stays put
+            for t, piece in _pieces(slots.segments[p], update):
                 piece.mul_(self._ratio(norms[0, t], norms[1, t], group).to(w.dtype))
             self._apply(w, update, state, group)
         return loss
