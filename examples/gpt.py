@@ -193,6 +193,10 @@ class GPT(L.LightningModule):
         build_on_meta: build the blocks on the meta device in ``configure_model`` (nothing allocated);
             ``HybridParallelStrategy`` materialises only each rank's own blocks, one at a time, and calls
             :meth:`init_block` on each. The initial weights are the same either way.
+        tie_embeddings: the output projection is the token embedding (GPT-2's tying): one parameter in the
+            first and the last block. ``HybridParallelStrategy`` keeps it one parameter across pipeline stages.
+            Not with ``build_on_meta`` (a tie made on the meta device would not survive block-by-block
+            materialisation; the strategy refuses it).
     """
 
     def __init__(
@@ -210,6 +214,7 @@ class GPT(L.LightningModule):
         warmup_steps: int = 0,
         max_steps: int = 1000,
         build_on_meta: bool = False,
+        tie_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -220,6 +225,11 @@ class GPT(L.LightningModule):
             for name, block in self.layers.named_children():
                 with seeded_init(f"layers.{name}"), torch.no_grad():
                     self.init_block(f"layers.{name}", block)
+            self._tie()
+
+    def _tie(self) -> None:
+        if self.hparams.tie_embeddings:
+            self.layers[-1].head.weight = self.layers[0].token.weight
 
     def _build_layers(self) -> nn.Sequential:
         hp = self.hparams
@@ -233,6 +243,7 @@ class GPT(L.LightningModule):
         if self.layers is None:  # build_on_meta: the strategy allocates and initialises this rank's blocks
             with torch.device("meta"):
                 self.layers = self._build_layers()
+            self._tie()
         if any(isinstance(v, Tensor) and v.is_meta for v in vars(self.val_perplexity).values()):
             # built under Trainer.init_module(empty_init=True): a metric's states are not weights, build it again
             self.val_perplexity = Perplexity()

@@ -22,6 +22,8 @@ EXPECTED = {
     "zero3_zero_bubble": "gives wrong gradients when parameters are resharded after forward (zero_stage=3)",
     "unknown_schedule": "Unknown schedule '2f2b'. Choose one of: gpipe, 1f1b,",
     "no_contract": "NoContract cannot be pipelined: keep its pipeline-splittable blocks, in order, in `self.layers`",
+    "tied_zero2_buckets": "reduce_gradients='every_microbatch' hands its gradient off during backward",
+    "tied_groups_differ": "is tied across pipeline stages, and the stages that hold it step it with different",
 }
 
 

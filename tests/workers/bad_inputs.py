@@ -36,7 +36,18 @@ CASES: dict[str, dict[str, Any]] = {
     "zero3_zero_bubble": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 3, "schedule": "zbv_zero_bubble"}},
     "unknown_schedule": {"strategy": {"pipeline_parallel_size": 2, "schedule": "2f2b"}},
     "no_contract": {"strategy": {"pipeline_parallel_size": 2}, "module": "no_contract"},
+    # tied embeddings across the two stages: what cannot stay exact is refused before step 0
+    "tied_zero2_buckets": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 2}, "tie": True},
+    "tied_groups_differ": {"strategy": {"pipeline_parallel_size": 2}, "tie": True, "groups_by_name": True},
 }
+
+
+def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
+    """A name-keyed parameter-group rule that tells the two names of a tied parameter apart."""
+    named = list(model.named_parameters())
+    head = [p for n, p in named if "head" in n]
+    rest = [p for n, p in named if "head" not in n]
+    return torch.optim.SGD([{"params": head, "lr": 0.1}, {"params": rest, "lr": 0.2}])
 
 
 def attempt(case: dict[str, Any]) -> str:
@@ -48,7 +59,10 @@ def attempt(case: dict[str, Any]) -> str:
         if case.get("module") == "no_contract":
             model: L.LightningModule = NoContract()
         else:
-            model = build_model({"model": {"n_layer": case.get("n_layer", 4)}})
+            tie = case.get("tie", False)
+            model = build_model({"model": {"n_layer": case.get("n_layer", 4), "tie_embeddings": tie}})
+        if case.get("groups_by_name"):
+            model.configure_optimizers = lambda: groups_by_name(model)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,

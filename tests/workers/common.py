@@ -72,6 +72,13 @@ class ExactDataModule(CharDataModule):
 
 def build_model(cfg: dict[str, Any]) -> GPT:
     torch.manual_seed(cfg.get("seed", 0))
+    if cfg.get("model_class") == "hf_gpt2_tied":  # Hugging Face's GPT-2 with its tied embeddings
+        if __package__:  # imported as workers.common by a test; as common by a worker script
+            from workers.hf_gpt2 import TiedGPT2
+        else:
+            from hf_gpt2 import TiedGPT2
+
+        return TiedGPT2(**cfg.get("model", {}))
     return GPT(
         **{
             "vocab_size": 64,

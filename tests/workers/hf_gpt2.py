@@ -9,8 +9,10 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GPT2Config
+from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+from lightning_hybrid.optim import LAMB
 
 
 def gpt2_config(**overrides: Any) -> GPT2Config:
@@ -74,6 +76,28 @@ class PipelinedGPT2(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class TiedGPT2(PipelinedGPT2):
+    """Hugging Face's ``GPT2LMHeadModel`` as a user would take it (input and output embeddings tied: one
+    Parameter), its own modules regrouped into ``layers = [Embed, GPT2Block x n_layer, Head]``."""
+
+    def __init__(self, *, n_layer: int = 2, block_size: int = 16, lr: float = 0.01, optimizer: str = "sgd") -> None:
+        super().__init__(n_layer=n_layer, lr=lr, n_positions=block_size)
+        self.save_hyperparameters()
+        hf = GPT2LMHeadModel(self.config)
+        assert hf.lm_head.weight is hf.transformer.wte.weight, "GPT-2 ties its embeddings by default"
+        embed, head = Embed.__new__(Embed), Head.__new__(Head)
+        nn.Module.__init__(embed)
+        nn.Module.__init__(head)
+        embed.wte, embed.wpe = hf.transformer.wte, hf.transformer.wpe
+        head.ln_f, head.lm_head = hf.transformer.ln_f, hf.lm_head
+        self.layers = nn.Sequential(embed, *hf.transformer.h, head)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "lamb":
+            return LAMB(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        return super().configure_optimizers()
 
 
 def gpt2_key_map(n_layer: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid.optim._shardable import check_shardable
 from lightning_hybrid.strategies._layout import ZeroConfig
+from lightning_hybrid.strategies._tied import TiedGradients
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
 
 __all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "ShardedOptimizerGradients", "gradient_sync"]
@@ -42,11 +43,18 @@ class GradientSync:
     averaged_every_backward = True  # FSDP reduce-scatters after each backward, accumulation included
 
     def __init__(
-        self, *, device: torch.device, data_parallel_group: dist.ProcessGroup, pipeline_group: dist.ProcessGroup
+        self,
+        *,
+        device: torch.device,
+        data_parallel_group: dist.ProcessGroup,
+        pipeline_group: dist.ProcessGroup,
+        ties: TiedGradients | None = None,
     ) -> None:
         self.device = device
         self.data_parallel_group, self.pipeline_group = data_parallel_group, pipeline_group
         self.data_parallel_size = dist.get_world_size(data_parallel_group)
+        self.ties = ties
+        self._optimizer_index: dict[int, int] = {}
 
     # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
     # between a pipeline's training_step and backward: then the pipeline runner sets them aside
@@ -56,6 +64,9 @@ class GradientSync:
         """Take charge of the optimizers (before their first step): refuse one that sharding would change."""
         for optimizer in optimizers:
             check_shardable(optimizer, self.zero_stage)
+        self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
+        if self.ties is not None:  # on every rank: it agrees on the tied parameters' settings
+            self.ties.attach(optimizers)
 
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished."""
@@ -65,7 +76,14 @@ class GradientSync:
         return [p.grad for p in module.parameters() if p.grad is not None]
 
     def reduce(self, optimizer: Optimizer) -> None:
-        pass
+        """The window's last backward ran: tied gradients summed over their stages, then this ZeRO stage's
+        reduction over the data-parallel group."""
+        if self.ties:
+            self.ties.sum_gradients(self._optimizer_index.get(id(optimizer), -1))
+        self._reduce(optimizer)
+
+    def _reduce(self, optimizer: Optimizer) -> None:
+        """ZeRO-3: FSDP2 reduce-scattered during backward."""
 
     def after_step(self, optimizer: Optimizer) -> None:
         for group in optimizer.param_groups:
@@ -78,12 +96,22 @@ class GradientSync:
 
     def grad_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """L2 norm of the whole model's gradient; identical on every rank (one all-reduce)."""
+        grads = list(grads)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            total += local.detach().float().pow(2).sum()
+            total += _local(g).detach().float().pow(2).sum()
+        # a parameter tied across stages has the same (summed) gradient on each: count it on its first stage
+        given = {id(g) for g in grads}
+        for param in self.ties.copies() if self.ties else []:
+            for part in self._gradient_parts(param, given):
+                square = _local(part).detach().float().pow(2).sum()
+                total -= torch.where(square.isfinite(), square, 0.0)  # inf stays inf (the first stage has it too)
         dist.all_reduce(total, group=self._norm_group)
-        return total.sqrt()
+        return total.clamp_min(0).sqrt()
+
+    def _gradient_parts(self, param: nn.Parameter, given: set[int]) -> list[Tensor]:
+        """The gradient of ``param`` as this rank's optimizer sees it, if it is among the ``given`` ones."""
+        return [param.grad] if param.grad is not None and id(param.grad) in given else []
 
     def gradient_holders(self) -> int:
         """How many ranks hold each gradient element the optimizer steps with."""
@@ -112,7 +140,7 @@ class ReplicatedGradients(GradientSync):
         self.bucket_bytes = int(config.bucket_size_mb * 2**20)
 
     @torch.no_grad()
-    def reduce(self, optimizer: Optimizer) -> None:
+    def _reduce(self, optimizer: Optimizer) -> None:
         dp = self.data_parallel_size
         if dp == 1:
             return
@@ -182,8 +210,16 @@ class ShardedOptimizerGradients(GradientSync):
     def current_gradients(self, module: nn.Module) -> list[Tensor]:
         return [t for sharded in self._sharded.values() for t in sharded.local_gradients()]
 
-    def reduce(self, optimizer: Optimizer) -> None:
+    def _reduce(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].reduce_gradients()
+
+    def _gradient_parts(self, param: nn.Parameter, given: set[int]) -> list[Tensor]:
+        return [
+            part
+            for sharded in self._sharded.values()
+            if any(id(c.grad) in given for g in sharded.groups for c in g.chunks)
+            for part in sharded.shard_gradient_parts(param)
+        ]
 
     def after_step(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].gather_parameters()
@@ -213,18 +249,24 @@ def gradient_sync(
     device: torch.device,
     data_parallel_group: dist.ProcessGroup,
     pipeline_group: dist.ProcessGroup,
+    ties: TiedGradients | None = None,
 ) -> GradientSync:
     """The gradient synchronisation for ``zero_stage`` (validated by the layout)."""
     kwargs: dict[str, Any] = {
         "device": device,
         "data_parallel_group": data_parallel_group,
         "pipeline_group": pipeline_group,
+        "ties": ties,
     }
     if zero_stage == 0:
         return ReplicatedGradients(config=config, **kwargs)
     if zero_stage in (1, 2):
         return ShardedOptimizerGradients(zero_stage=zero_stage, config=config, **kwargs)
     return FullyShardedGradients(**kwargs)
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def named_parameters(module: nn.Module) -> dict[Tensor, str]:

@@ -171,7 +171,8 @@ class _PackCheckpoint:
     _PREFIX = "state_dict."
 
     def __init__(self, path: Path) -> None:
-        from lightning_hybrid.checkpoint._sharded import read_sharded_index
+        from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded_index
+        from lightning_hybrid.strategies._tied import CheckpointNames
         from lightning_hybrid.utilities.consolidate import verified_checkpoint
 
         self._path = verified_checkpoint(path)
@@ -181,14 +182,20 @@ class _PackCheckpoint:
             for k, v in metadata.items()
             if k.startswith(self._PREFIX) and isinstance(v, TensorStorageMetadata)
         }
+        # a tied parameter is stored once, under its first name: its other names read that tensor
+        layout = read_meta(self._path).get(LAYOUT_KEY) or {}
+        self._stored = CheckpointNames.from_json(layout.get("tied_parameters", []))
 
     def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {k: (tuple(v.size), v.properties.dtype) for k, v in self._meta.items()}
+        out = {k: (tuple(v.size), v.properties.dtype) for k, v in self._meta.items()}
+        out.update({a: out[first] for a, first in self._stored.aliases.items() if first in out})
+        return out
 
     def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
         from lightning_hybrid.checkpoint._flat_shards import FlatShard
         from lightning_hybrid.checkpoint._sharded import read_sharded
 
+        key = self._stored.stored_key(key)
         meta = self._meta[key]
         shape = tuple(meta.size)
         start, stop = rows if rows is not None else (0, shape[0] if shape else 1)

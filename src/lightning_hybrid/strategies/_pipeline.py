@@ -25,7 +25,7 @@ from lightning_hybrid.strategies._layout import (
     stage_ids_on_rank,
 )
 
-__all__ = ["PipelineStageModule", "build_schedule", "check_pipeline_contract", "split_module"]
+__all__ = ["PipelineStageModule", "build_schedule", "check_pipeline_contract", "split_module", "stage_ranges"]
 
 
 class PipelineStageModule(nn.Module):
@@ -73,6 +73,12 @@ def check_pipeline_contract(module: nn.Module) -> None:
         )
 
 
+def stage_ranges(module: nn.Module, layout: Layout, split: PipelineSplit | None) -> list[range]:
+    """The blocks of ``module.layers`` each stage runs (balanced by parameter count unless ``split`` says)."""
+    costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for block in module.layers.children()]
+    return partition_layers(costs, layout.num_stages, split)
+
+
 def split_module(
     module: nn.Module,
     *,
@@ -86,8 +92,7 @@ def split_module(
     Returns the local stage indices, their stage modules, and the block ranges of all stages.
     """
     items = list(module.layers.named_children())
-    costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for _, block in items]
-    ranges = partition_layers(costs, layout.num_stages, split)
+    ranges = stage_ranges(module, layout, split)
     stage_ids = stage_ids_on_rank(pp_rank, layout)
     stages, kept = [], {}
     for sid in stage_ids:

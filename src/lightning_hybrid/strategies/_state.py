@@ -4,6 +4,7 @@ The model's state has the unsplit module's parameter names (each stage keeps its
 names); the optimizer state is DCP's flattened, name-keyed form (``state.<fqn>.<key>``,
 ``param_groups.<fqn>.<key>``), the same for every ZeRO stage. Under ZeRO-1/2 a rank contributes only its
 flat slice of each tensor (:class:`FlatShard`), and reads back only the slice it owns in its own layout.
+A parameter tied across blocks is stored once, under its first name (:class:`CheckpointNames`).
 The folder format itself (files, manifest, safe reading) is ``lightning_hybrid.checkpoint``'s.
 """
 
@@ -25,9 +26,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import read_meta, read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
 from lightning_hybrid.strategies._grad_sync import GradientSync
+from lightning_hybrid.strategies._tied import CheckpointNames
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
 
 __all__ = ["load_sharded_checkpoint", "model_state", "optimizer_state"]
@@ -35,18 +38,20 @@ __all__ = ["load_sharded_checkpoint", "model_state", "optimizer_state"]
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def model_state(module: nn.Module, sync: GradientSync) -> dict[str, Any]:
+def model_state(module: nn.Module, sync: GradientSync, names: CheckpointNames) -> dict[str, Any]:
     state = get_model_state_dict(module)
     # ZeRO-1/2: each replica saves its slice of the parameters instead of all of them
     state.update({k: v for k, v in sync.parameter_shards().items() if k in state})
-    return state
+    return names.to_store(state)
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer, sync: GradientSync) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module, optimizer: Optimizer, sync: GradientSync, names: CheckpointNames
+) -> dict[str, Any]:
     sharded = sync.sharded_optimizer(optimizer)
     if sharded is not None:
-        return sharded.flat_state_dict()
-    return get_optimizer_state_dict(module, optimizer, options=_FLAT)
+        return names.to_store(sharded.flat_state_dict())
+    return names.to_store(get_optimizer_state_dict(module, optimizer, options=_FLAT))
 
 
 def load_sharded_checkpoint(
@@ -54,8 +59,10 @@ def load_sharded_checkpoint(
     module: nn.Module,
     optimizers: list[Optimizer],
     sync: GradientSync,
+    names: CheckpointNames,
     *,
     strict: bool,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Load model (and, when ``optimizers`` are given, optimizer) state from ``path`` into this rank's layout,
     in place. Returns the rest of the checkpoint (``meta.pt``)."""
@@ -67,31 +74,50 @@ def load_sharded_checkpoint(
     saved = read_sharded_index(path).state_dict_metadata
 
     # the model: DCP reshards whatever layout wrote it into this rank's tensors (plain or DTensor)
-    current = get_model_state_dict(module)
+    # (a tied parameter held under another name than its first is read from where it is stored)
+    current, model_back = names.to_read(get_model_state_dict(module))
     missing = [k for k in current if f"state_dict.{k}" not in saved]
-    if missing and strict:
-        raise KeyError(f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)")
+    meta = read_meta(path)  # tensors and plain values only: loading a checkpoint never runs code
+    written = CheckpointNames.from_json((meta.get(LAYOUT_KEY) or {}).get("tied_parameters", []))
+    untied = [k for k in missing if k in written.aliases]
+    problem = None
+    if untied:
+        problem = (
+            f"{untied[0]} was tied to {written.aliases[untied[0]]} when {path} was written (stored once, under"
+            " the first name), and this model holds it as a separate parameter. Tie it again as it was, or start"
+            " from the checkpoint with init_from= (each name then reads the stored tensor, no optimizer state)."
+        )
+    elif missing and strict:
+        problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+    # each pipeline rank checks its own stages: agree, so every rank fails with the message, none waits
+    problem = agreed_problem(problem, device=device)
+    if problem:
+        raise KeyError(problem)
     to_load: dict[str, Any] = {"state_dict": {k: v for k, v in current.items() if k not in missing}}
     templates = {}
     for idx, optimizer in enumerate(optimizers):
-        template = _optimizer_template(module, optimizer, sync.sharded_optimizer(optimizer), saved, f"optimizer_{idx}")
-        if template:
-            templates[idx] = to_load[f"optimizer_{idx}"] = template
+        sharded = sync.sharded_optimizer(optimizer)
+        template = _optimizer_template(module, optimizer, sharded, saved, f"optimizer_{idx}", names)
+        if template[0]:
+            templates[idx] = template
+            to_load[f"optimizer_{idx}"] = template[0]
     read_sharded(path, to_load)
 
-    set_model_state_dict(module, to_load["state_dict"], options=StateDictOptions(strict=False))
-    for idx, template in templates.items():
+    model = {model_back[k]: v for k, v in to_load["state_dict"].items()}
+    set_model_state_dict(module, model, options=StateDictOptions(strict=False))
+    for idx, (_template, back) in templates.items():
+        local = {back[k]: v for k, v in to_load[f"optimizer_{idx}"].items()}
         sharded = sync.sharded_optimizer(optimizers[idx])
         if sharded is not None:
             sharded.load_parameters_into_shards()
-            sharded.load_flat_state_dict(template)
+            sharded.load_flat_state_dict(local)
         else:
-            set_optimizer_state_dict(module, optimizers[idx], template, options=_FLAT)
+            set_optimizer_state_dict(module, optimizers[idx], local, options=_FLAT)
     for optimizer in optimizers:
         sharded = sync.sharded_optimizer(optimizer)
         if sharded is not None:
             sharded.load_parameters_into_shards()
-    return read_meta(path)  # tensors and plain values only: loading a checkpoint never runs code
+    return meta
 
 
 def _optimizer_template(
@@ -100,25 +126,31 @@ def _optimizer_template(
     sharded: FlatShardedOptimizer | None,
     saved: Mapping[str, Any],
     prefix: str,
-) -> dict[str, Any]:
-    """This rank's part of the flat, name-keyed optimizer state, shaped as the checkpoint stores it."""
+    names: CheckpointNames,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """This rank's part of the flat, name-keyed optimizer state, keyed and shaped as the checkpoint stores it,
+    and the way back to this rank's keys."""
     if sharded is None:
-        current = get_optimizer_state_dict(module, optimizer, options=_FLAT)
-        return {k: v for k, v in current.items() if f"{prefix}.{k}" in saved}
-    names = {n for g in sharded.groups for n in g.names}
+        current, back = names.to_read(get_optimizer_state_dict(module, optimizer, options=_FLAT))
+        return {k: v for k, v in current.items() if f"{prefix}.{k}" in saved}, back
+    # the parameter each stored name stands for here (a tied one may be held under another name)
+    local = {names.stored_key(n): n for g in sharded.groups for n in g.names}
     template: dict[str, Any] = {}
+    back: dict[str, str] = {}
     for key, meta in saved.items():
         if not key.startswith(prefix + "."):
             continue
         sub = key[len(prefix) + 1 :]
-        _section, _, rest = sub.partition(".")
-        if not any(rest.startswith(n + ".") for n in names):
+        section, _, rest = sub.partition(".")
+        stored, _, state_key = rest.rpartition(".")
+        if stored not in local:
             continue
+        name = local[stored]
+        back[sub] = f"{section}.{name}.{state_key}"
         if isinstance(meta, TensorStorageMetadata):
             # a per-element state loads only this rank's slice; scalars load whole
-            name, _, state_key = rest.rpartition(".")
-            part = sharded.state_template(name, meta.size, meta.properties.dtype, key=f"{_section}.{state_key}")
+            part = sharded.state_template(name, meta.size, meta.properties.dtype, key=f"{section}.{state_key}")
             template[sub] = part if part is not None else torch.empty(meta.size, dtype=meta.properties.dtype)
         elif isinstance(meta, BytesStorageMetadata):
             template[sub] = None
-    return template
+    return template, back

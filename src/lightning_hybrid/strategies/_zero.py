@@ -180,6 +180,16 @@ class FlatShardedOptimizer:
     def averaged_every_backward(self) -> bool:
         return all(g.grads.averaged_every_backward for g in self.groups)
 
+    def shard_gradient_parts(self, param: Tensor) -> list[Tensor]:
+        """The part of ``param``'s gradient in this rank's shard (views of ``shard.grad``; empty if none)."""
+        for g in self.groups:
+            for p, off in zip(g.params, g.offsets):
+                if p is param and g.shard.grad is not None:
+                    base = self.rank * g.shard_numel
+                    lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
+                    return [g.shard.grad[lo - base : hi - base]] if lo < hi else []
+        return []
+
     def local_gradients(self) -> list[Tensor]:
         return [t for g in self.groups for t in g.grads.local_gradients()]
 

@@ -34,9 +34,8 @@ from lightning_hybrid._lightning_compat import attach_device_mesh, init_processe
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
-from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
-from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync, named_parameters
-from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.strategies._grad_sync import GradientSync, named_parameters
+from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._layout import (
     PRESETS,
     Layout,
@@ -46,16 +45,14 @@ from lightning_hybrid.strategies._layout import (
     check_choices,
     resolve_layout,
 )
-from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
-from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module
-from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
+from lightning_hybrid.strategies._pipeline_runner import PipelineRunner
+from lightning_hybrid.strategies._recipe import DP_AXIS, PP_AXIS, prepare_module
 from lightning_hybrid.strategies._state import load_sharded_checkpoint, model_state, optimizer_state
+from lightning_hybrid.strategies._tied import CheckpointNames
 
 __all__ = ["HybridParallelStrategy"]
 
 log = logging.getLogger(__name__)
-
-PP_AXIS, DP_AXIS = "pipeline_parallel", "data_parallel"
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
@@ -142,6 +139,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._mesh: Union[DeviceMesh, None] = None
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
         self._sync: Union[GradientSync, None] = None
+        self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters
         self._prepared_module: Union[nn.Module, None] = None
 
     @classmethod
@@ -222,6 +220,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             "zero_stage": lay.zero_stage,
             "schedule": lay.schedule,
             "num_stages": lay.num_stages,
+            "tied_parameters": self._checkpoint_names.to_json(),
         }
 
     @property
@@ -279,81 +278,23 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
 
     def _prepare(self, module: pl.LightningModule) -> None:
-        """The recipe, once per module: cut the stages, materialise (meta-built), move, shard (ZeRO-3),
-        schedule, gradient sync."""
-        layout = self.layout
-        stage_ids: list[int] = []
-        stages: list[nn.Module] = []
-        loss_scaling = None
-        plan = ShardingPlan(
-            self.device_mesh[DP_AXIS],
-            bf16=self.precision_plugin.precision == "bf16-mixed",
-            reshard_after_forward=self._zero_config.reshard_after_forward,
-            units=self._zero_config.shard_units,
-        )
-        # init_from is planned on the whole module, before the pipeline cuts it
-        init_from = self._init_from
-        pretrained = agreed_plan(init_from, module, self.root_device) if init_from is not None else None
-        meta_built = has_meta_tensors(module)  # decided on the whole module: the same on every rank
-        tied = tied_on_meta(module) if meta_built else []
-        if tied:
-            raise ValueError(
-                f"{type(module).__name__} ties parameters built on the meta device ({tied[:3]}): materialising it"
-                " block by block would untie them. Build the model normally, or tie the weights after the"
-                " strategy set it up (tied weights across pipeline stages are not supported yet)."
-            )
-        if layout.pipeline_parallel_size > 1:
-            check_pipeline_contract(module)
-            loss_scaling = pipeline_loss_scaling(self.precision_plugin)
-            stage_ids, stages, ranges = split_module(
-                module,
-                layout=layout,
-                pp_rank=self.pipeline_rank,
-                split=self._split,
-                activation_checkpointing=self._activation_checkpointing,
-            )
-            blocks = ", ".join(f"{sid}:{ranges[sid].start}-{ranges[sid].stop - 1}" for sid in stage_ids)
-            log.info(f"[rank {self.global_rank}] pipeline stages (stage:blocks) {blocks}")
-        elif self._activation_checkpointing:
-            raise ValueError(
-                "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"
-                " torch.utils.checkpoint inside the model."
-            )
-        if meta_built:
-            # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
-            seed = self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed())))
-            materialize_module(
-                module,
-                device=self.root_device,
-                seed=seed,
-                then=plan.shard_block if layout.zero_stage == 3 else None,
-                loaded=pretrained is not None,
-                agree_on=self.root_device,
-            )
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if layout.zero_stage == 3:
-            shard_fully(module, stages=stages, plan=plan)
-        if pretrained is not None:
-            self._pretrained_bytes_read = agreed_load(module, *pretrained, self.root_device)
-            log.info(f"[rank {self.global_rank}] init_from: read {self._pretrained_bytes_read / 2**20:.1f} MiB")
-        if stages:
-            self._runner = PipelineRunner(
-                module,
-                layout=layout,
-                stage_ids=stage_ids,
-                stage_modules=stages,
-                device=self.root_device,
-                group=self.pipeline_group,
-                loss_scaling=loss_scaling,
-            )
-        self._sync = gradient_sync(
-            layout.zero_stage,
-            config=self._zero_config,
+        """The recipe (``_recipe.prepare_module``), once per module."""
+        prepared = prepare_module(
+            module,
+            layout=self.layout,
+            mesh=self.device_mesh,
             device=self.root_device,
-            data_parallel_group=self.data_parallel_group,
-            pipeline_group=self.pipeline_group,
+            precision_plugin=self.precision_plugin,
+            zero=self._zero_config,
+            split=self._split,
+            activation_checkpointing=self._activation_checkpointing,
+            init_from=self._init_from,
+            agreed_seed=lambda: self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))),
         )
+        self.model = prepared.module
+        self._runner, self._sync = prepared.runner, prepared.sync
+        self._checkpoint_names = prepared.checkpoint_names
+        self._pretrained_bytes_read = prepared.pretrained_bytes_read
 
     @property
     def pretrained_bytes_read(self) -> int:
@@ -471,12 +412,14 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return model_state(self.lightning_module, self._gradient_sync)
+        return model_state(self.lightning_module, self._gradient_sync, self._checkpoint_names)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return optimizer_state(self.lightning_module, self._unwrap(optimizer), self._gradient_sync)
+        return optimizer_state(
+            self.lightning_module, self._unwrap(optimizer), self._gradient_sync, self._checkpoint_names
+        )
 
     @override
     def save_checkpoint(
@@ -512,7 +455,15 @@ class HybridParallelStrategy(ModelParallelStrategy):
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [self._unwrap(o) for o in self.optimizers] if fitting else []
-        meta = load_sharded_checkpoint(path, module, optimizers, self._gradient_sync, strict=module.strict_loading)
+        meta = load_sharded_checkpoint(
+            path,
+            module,
+            optimizers,
+            self._gradient_sync,
+            self._checkpoint_names,
+            strict=module.strict_loading,
+            device=self.root_device,
+        )
         written = meta.get(LAYOUT_KEY)
         if written:
             rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.layout}")

@@ -46,7 +46,9 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
     """Read every shard of a checkpoint's model weights into one plain ``state_dict`` (CPU tensors).
 
     Works in a single process without a process group, whatever layout (pipeline stages, ZeRO stage,
-    world size) wrote the checkpoint. Parameter names are those of the unsplit module. Raises
+    world size) wrote the checkpoint. Parameter names are those of the unsplit module; a parameter tied
+    across blocks (stored once) appears under each of its names as one tensor, as ``module.state_dict()``
+    has it, so ``load_state_dict`` accepts it strictly and ``torch.save`` still writes it once. Raises
     ``ValueError`` when a manifest exists and the files do not match it.
     """
     path = verified_checkpoint(path)
@@ -59,7 +61,13 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
     if not template:
         raise ValueError(f"{path} holds no tensors under {prefix!r}.")
     read_sharded(path, template, no_dist=True)  # this process alone, whatever process group exists
-    return {key[len(prefix) + 1 :]: value for key, value in template.items()}
+    state = {key[len(prefix) + 1 :]: value for key, value in template.items()}
+    if prefix == "state_dict":
+        layout = read_meta(path).get(LAYOUT_KEY) or {}
+        for names in layout.get("tied_parameters", []):
+            if names[0] in state:
+                state.update({alias: state[names[0]] for alias in names[1:]})
+    return state
 
 
 def _consolidated_lightning_checkpoint(path: Path) -> dict[str, Any]:
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = _consolidated_lightning_checkpoint(args.checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.output, lambda f: torch.save(checkpoint, f))  # never a partial file under the name
-    n = sum(t.numel() for t in checkpoint["state_dict"].values())
+    n = sum(t.numel() for t in {id(t): t for t in checkpoint["state_dict"].values()}.values())  # tied: once
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors, {n:,} parameters")
 
 

@@ -1,0 +1,139 @@
+"""HybridParallelStrategy's set-up recipe, applied once per module: every technique in its order.
+
+Check the pipeline contract and the tied parameters, cut this rank's stages, materialise a meta-built
+model block by block, cast and move it, shard it (ZeRO-3), read pretrained weights into what this rank
+holds, build the pipeline runner, and pick the gradient synchronisation of the ZeRO stage. Every
+verdict is computed from the whole module and the layout, so a refusal is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
+from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync
+from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.strategies._layout import Layout, PipelineSplit, ZeroConfig
+from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
+from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module, stage_ranges
+from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
+from lightning_hybrid.strategies._tied import CheckpointNames, TiedGradients, check_ties, find_ties
+
+__all__ = ["Prepared", "prepare_module"]
+
+log = logging.getLogger(__name__)
+
+PP_AXIS, DP_AXIS = "pipeline_parallel", "data_parallel"
+
+
+@dataclass
+class Prepared:
+    """What the recipe leaves the strategy."""
+
+    module: pl.LightningModule  # split, materialised, cast, moved and (ZeRO-3) sharded in place
+    runner: PipelineRunner | None  # with a pipeline only
+    sync: GradientSync
+    checkpoint_names: CheckpointNames  # where checkpoints store tied parameters
+    pretrained_bytes_read: int
+
+
+def prepare_module(
+    module: pl.LightningModule,
+    *,
+    layout: Layout,
+    mesh: DeviceMesh,
+    device: torch.device,
+    precision_plugin: Precision,
+    zero: ZeroConfig,
+    split: PipelineSplit | None,
+    activation_checkpointing: bool,
+    init_from: PretrainedWeights | None,
+    agreed_seed: Callable[[], int],
+) -> Prepared:
+    """Apply the recipe to ``module``. ``agreed_seed`` returns the run's seed as rank 0 has it (a collective:
+    called on every rank or none)."""
+    rank = torch.distributed.get_rank()
+    pp_rank = mesh.get_local_rank(PP_AXIS)
+    plan = ShardingPlan(
+        mesh[DP_AXIS],
+        bf16=precision_plugin.precision == "bf16-mixed",
+        reshard_after_forward=zero.reshard_after_forward,
+        units=zero.shard_units,
+    )
+    # init_from, meta tensors and ties are planned on the whole module, before the pipeline cuts it
+    pretrained = agreed_plan(init_from, module, device) if init_from is not None else None
+    meta_built = has_meta_tensors(module)
+    tied = tied_on_meta(module) if meta_built else []
+    if tied:
+        raise ValueError(
+            f"{type(module).__name__} ties parameters built on the meta device ({tied[:3]}): materialising it"
+            " block by block would untie them. Build the model normally (the strategy keeps tied parameters"
+            " tied across pipeline stages), or tie the weights after the strategy set it up."
+        )
+    ties = find_ties(module)
+    stage_ids: list[int] = []
+    stages: list[nn.Module] = []
+    ranges: list[range] | None = None
+    loss_scaling = None
+    if layout.pipeline_parallel_size > 1:
+        check_pipeline_contract(module)
+        loss_scaling = pipeline_loss_scaling(precision_plugin)
+        check_ties(ties, stage_ranges(module, layout, split), layout, zero)  # before the module is cut
+        stage_ids, stages, ranges = split_module(
+            module, layout=layout, pp_rank=pp_rank, split=split, activation_checkpointing=activation_checkpointing
+        )
+        blocks = ", ".join(f"{sid}:{ranges[sid].start}-{ranges[sid].stop - 1}" for sid in stage_ids)
+        log.info(f"[rank {rank}] pipeline stages (stage:blocks) {blocks}")
+    else:
+        check_ties(ties, None, layout, zero)
+        if activation_checkpointing:
+            raise ValueError(
+                "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"
+                " torch.utils.checkpoint inside the model."
+            )
+    if meta_built:
+        # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
+        materialize_module(
+            module,
+            device=device,
+            seed=agreed_seed(),
+            then=plan.shard_block if layout.zero_stage == 3 else None,
+            loaded=pretrained is not None,
+            agree_on=device,
+        )
+    module = precision_plugin.convert_module(module)
+    module.to(device)
+    if layout.zero_stage == 3:
+        shard_fully(module, stages=stages, plan=plan)
+    bytes_read = 0
+    if pretrained is not None:
+        bytes_read = agreed_load(module, *pretrained, device)
+        log.info(f"[rank {rank}] init_from: read {bytes_read / 2**20:.1f} MiB")
+    runner = None
+    if stages:
+        runner = PipelineRunner(
+            module,
+            layout=layout,
+            stage_ids=stage_ids,
+            stage_modules=stages,
+            device=device,
+            group=mesh.get_group(PP_AXIS),
+            loss_scaling=loss_scaling,
+        )
+    sync = gradient_sync(
+        layout.zero_stage,
+        config=zero,
+        device=device,
+        data_parallel_group=mesh.get_group(DP_AXIS),
+        pipeline_group=mesh.get_group(PP_AXIS),
+        ties=TiedGradients(ties, module, ranges=ranges, layout=layout, mesh=mesh),
+    )
+    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read)
