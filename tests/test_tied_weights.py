@@ -14,16 +14,21 @@ from lightning_hybrid.strategies._layout import ZeroConfig, resolve_layout
 from lightning_hybrid.strategies._tied import CheckpointNames, Tie, check_ties, find_ties
 
 TOTAL, FIRST = 4, 2
+GPT_TIE = ("layers.0.token.weight", "layers.3.head.weight")  # the example GPT's names of its tied embedding
 
 
 def _strategy(**kwargs):
     return {"name": "hybrid_class", "kwargs": {"num_microbatches": 2, **kwargs}}
 
 
-def _train_then_resume(tmp_path, base, first, then, *, clip=None):
-    """Train ``first`` = (nproc, strategy) for FIRST steps, resume in ``then`` to TOTAL; both against one process."""
+def _train_then_resume(tmp_path, base, first, then, *, tied, clip=None):
+    """Train ``first`` = (nproc, strategy) for FIRST steps, resume in ``then`` to TOTAL; both against one process.
+    Every stage's copy of the ``tied`` parameter (its names) must end equal to the reference."""
     trainer = {"gradient_clip_val": clip} if clip else {}
     ref_losses, ref_weights = reference_run(base, steps=TOTAL, clip=clip)
+    if clip:  # the clipping engages (else the norm of a tied gradient would never be tested)
+        unclipped = reference_run(base, steps=TOTAL)[1]
+        assert max((unclipped[k] - ref_weights[k]).abs().max() for k in ref_weights) > 1e-3
     saved = tmp_path / "first"
     runs = [
         (first, {"steps": FIRST, "save": str(saved)}, ref_losses[:FIRST]),
@@ -33,13 +38,19 @@ def _train_then_resume(tmp_path, base, first, then, *, clip=None):
         out = tmp_path / f"run{i}"
         out.mkdir()
         cfg = {**base, "devices": nproc, "strategy": strategy, "trainer": trainer, "save": str(out / "ckpt"),
-               "weights": str(out / "w.pt"), **extra}  # fmt: skip
+               "weights": str(out / "w.pt"), "report_params": list(tied), **extra}  # fmt: skip
         if i == 0:
             cfg["save"] = str(saved)
         job = launch("train_gpt.py", cfg, nproc=nproc)
         for r in range(nproc):  # pipelined: the step's mean loss, identical on every rank
             assert job.rank(r)["losses"] == job.rank(0)["losses"]
         torch.testing.assert_close(torch.tensor(job.rank(0)["losses"]), torch.tensor(expected), rtol=0, atol=1e-5)
+    # each holder's own copy (the checkpoint and the consolidated weights hold the first stage's only)
+    copies = [torch.tensor(v) for r in range(nproc) for v in job.rank(r)["params"].values()]
+    assert len(copies) == nproc  # every rank holds one name of the tie: pp2, a stage each
+    for copy in copies:
+        torch.testing.assert_close(copy, ref_weights[tied[0]], rtol=0, atol=1e-4)
+        torch.testing.assert_close(copy, copies[0], rtol=0, atol=1e-6)
     weights = torch.load(tmp_path / "run1" / "w.pt")
     assert weights.keys() == ref_weights.keys()
     for key, ref in ref_weights.items():
@@ -63,9 +74,10 @@ def test_example_gpt_tied_embeddings_exact_with_clipping_and_resumed_in_another_
         base,
         (2, _strategy(pipeline_parallel_size=2)),
         (4, _strategy(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1)),
+        tied=GPT_TIE,
         clip=0.5,
     )
-    first, alias = "layers.0.token.weight", "layers.3.head.weight"
+    first, alias = GPT_TIE
     _stored_once(saved, first, alias)
     assert weights[alias] is weights[first], "the consolidated state has both names for one tensor"
     assert (ref[first] - reference_run(base, steps=0)[1][first]).abs().max() > 1e-3  # the tied weight moved
@@ -95,8 +107,11 @@ def test_hugging_face_gpt2_tied_embeddings_with_lamb_exact_and_resumed_in_anothe
         base,
         (4, _strategy(pipeline_parallel_size=2, data_parallel_size=2, zero_stage=1)),
         (2, _strategy(pipeline_parallel_size=2)),
+        tied=("layers.0.wte.weight", "layers.3.lm_head.weight"),
     )
     _stored_once(saved, "layers.0.wte.weight", "layers.3.lm_head.weight")
+    stored = read_sharded_index(saved).state_dict_metadata
+    assert any(k.endswith("state.layers.0.wte.weight.exp_avg") for k in stored), "LAMB's moments of the tie"
 
 
 @pytest.mark.multiproc
@@ -110,6 +125,7 @@ def test_tied_embeddings_exact_under_zero2_once_per_step_then_zero3(tmp_path):
         base,
         (2, _strategy(pipeline_parallel_size=2, zero_stage=2, zero={"reduce_gradients": "once_per_step"})),
         (2, _strategy(pipeline_parallel_size=2, zero_stage=3)),
+        tied=GPT_TIE,
         clip=0.5,
     )
 
@@ -162,3 +178,16 @@ def test_checkpoint_names_store_a_tied_parameter_once_and_read_it_back_under_any
     both = {"layers.0.token.weight": 1, "layers.3.head.weight": 1}
     assert names.to_read(both)[0] == {"layers.0.token.weight": 1}
     assert names.to_json() == [["layers.0.token.weight", "layers.3.head.weight"]]
+
+
+def test_group_settings_compare_values_not_names_or_devices():
+    from lightning_hybrid.strategies._tied import _settings
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    # torch >= 2.6 records each stage's own parameter names in its groups: they must not tell the copies apart
+    first = torch.optim.AdamW([("layers.0.token.weight", a.weight)], lr=torch.tensor(1e-3))
+    last = torch.optim.AdamW([("layers.3.head.weight", b.weight)], lr=torch.tensor(1e-3))
+    assert "param_names" in first.param_groups[0]
+    assert _settings(first.param_groups[0]) == _settings(last.param_groups[0])
+    other = torch.optim.AdamW([("layers.3.head.weight", b.weight)], lr=torch.tensor(1.0001e-3))
+    assert _settings(first.param_groups[0]) != _settings(other.param_groups[0])

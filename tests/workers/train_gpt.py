@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, run_worker, write_report
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit, ZeroConfig
 from lightning_hybrid.utilities import consolidate_checkpoint
@@ -79,6 +80,13 @@ def main(cfg: dict[str, Any]) -> None:
             "dp": strategy.layout.data_parallel_size,
         }
         report["sampler"] = strategy.distributed_sampler_kwargs
+    if cfg.get("report_params"):  # this rank's values of the named parameters it holds (all names of a tie)
+        held = dict(model.named_parameters(remove_duplicate=False))
+        report["params"] = {
+            n: (held[n].full_tensor() if isinstance(held[n], DTensor) else held[n].detach()).tolist()
+            for n in cfg["report_params"]
+            if n in held
+        }
     if cfg.get("validate"):
         results = trainer.validate(model, datamodule=data, verbose=False)
         report["validate"] = results[0] if results else {}

@@ -78,8 +78,9 @@ class GradientSync:
     def reduce(self, optimizer: Optimizer) -> None:
         """The window's last backward ran: tied gradients summed over their stages, then this ZeRO stage's
         reduction over the data-parallel group."""
-        if self.ties:
-            self.ties.sum_gradients(self._optimizer_index.get(id(optimizer), -1))
+        index = self._optimizer_index.get(id(optimizer))
+        if self.ties and index is not None:
+            self.ties.sum_gradients(index)
         self._reduce(optimizer)
 
     def _reduce(self, optimizer: Optimizer) -> None:

@@ -134,6 +134,6 @@ def prepare_module(
         device=device,
         data_parallel_group=mesh.get_group(DP_AXIS),
         pipeline_group=mesh.get_group(PP_AXIS),
-        ties=TiedGradients(ties, module, ranges=ranges, layout=layout, mesh=mesh),
+        ties=TiedGradients(ties, module, ranges=ranges, layout=layout, mesh=mesh, device=device),
     )
     return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read)

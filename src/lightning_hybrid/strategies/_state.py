@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -89,6 +90,12 @@ def load_sharded_checkpoint(
         )
     elif missing and strict:
         problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+    separate = [a for a in names.aliases if f"state_dict.{a}" in saved]
+    if separate:  # written before the parameter was tied (or by an older version): the first name wins
+        rank_zero_warn(
+            f"{path} holds {separate[0]} apart from {names.aliases[separate[0]]}, which this model ties to it: both"
+            f" names take the value stored under {names.aliases[separate[0]]}."
+        )
     # each pipeline rank checks its own stages: agree, so every rank fails with the message, none waits
     problem = agreed_problem(problem, device=device)
     if problem:

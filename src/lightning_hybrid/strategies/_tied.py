@@ -182,11 +182,18 @@ class TiedGradients:
     every group, in the same order, as ``torch.distributed.new_group`` requires."""
 
     def __init__(
-        self, ties: list[Tie], module: nn.Module, *, ranges: list[range] | None, layout: Layout, mesh: DeviceMesh
+        self,
+        ties: list[Tie],
+        module: nn.Module,
+        *,
+        ranges: list[range] | None,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: torch.device,
     ) -> None:
         self._held: list[_Held] = []
         self._spanning = 0  # ties held by several pipeline ranks: the same number on every rank
-        self._device = mesh.device_type
+        self._device = device
         pp_rank, dp_rank = (int(i) for i in mesh.get_coordinate() or (0, 0))
         params = dict(module.named_parameters(remove_duplicate=False))
         for tie in ties:
@@ -202,8 +209,13 @@ class TiedGradients:
                     mine = group
             if mine is not None:
                 name = next(n for n in tie.names if n in params)
-                copy = _rank_of_block(tie.blocks[0], ranges, layout) != pp_rank
-                self._held.append(_Held(name, params[name], mine, copy))
+                first = _rank_of_block(tie.blocks[0], ranges, layout)
+                held = _Held(name, params[name], mine, copy=first != pp_rank)
+                self._held.append(held)
+                # the copies start equal, whatever filled them (a seed, init_from keys): the first name's value
+                with torch.no_grad():
+                    value = held.param.to_local() if isinstance(held.param, DTensor) else held.param
+                    dist.broadcast(value, src=int(mesh.mesh[first, dp_rank]), group=mine)
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -219,7 +231,7 @@ class TiedGradients:
             where = [(i, g) for i, opt in enumerate(optimizers) for g in opt.param_groups
                      if any(p is held.param for p in g["params"])]  # fmt: skip
             held.optimizer = where[0][0] if where else -1
-            settings = repr(sorted((k, repr(v)) for k, v in where[0][1].items() if k != "params")) if where else ""
+            settings = _settings(where[0][1]) if where else ""
             digest = float(zlib.crc32(f"{held.optimizer}:{settings}".encode()))
             both = torch.tensor([digest, -digest], dtype=torch.float64, device=self._device)
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=held.group)
@@ -229,7 +241,7 @@ class TiedGradients:
                     " optimizers or parameter groups of different settings (a rule keyed on parameter names?);"
                     " the copies would drift apart. Give every name of a tied parameter the same group settings."
                 )
-        problem = agreed_problem(problems[0] if problems else None, device=torch.device(self._device))
+        problem = agreed_problem(problems[0] if problems else None, device=self._device)
         if problem:
             raise ValueError(problem)
 
@@ -254,3 +266,13 @@ class TiedGradients:
     def copies(self) -> list[nn.Parameter]:
         """The tied parameters this rank holds as a second copy: their gradient is counted elsewhere."""
         return [held.param for held in self._held if held.copy]
+
+
+def _settings(group: dict[str, Any]) -> str:
+    """A parameter group's settings, the same text on every rank for the same values (not its parameters or
+    their names, which differ between the stages; tensors by value, not by device)."""
+
+    def plain(value: Any) -> Any:
+        return value.tolist() if isinstance(value, torch.Tensor) else value
+
+    return repr(sorted((k, repr(plain(v))) for k, v in group.items() if k not in ("params", "param_names")))
