@@ -1,6 +1,6 @@
 """Large-batch training where the theory says a growing batch wins: samples and optimizer steps to a target loss.
 
-    python benchmarks/large_batch.py                        # ~10 min on 2 CPU cores
+    python benchmarks/large_batch.py                        # ~15 min on 2 CPU cores
     python benchmarks/large_batch.py --optimizers adamw --out /tmp/results
 
 The data is an endless stream of text from a fixed random order-2 Markov chain whose entropy is known, so
@@ -8,10 +8,12 @@ the loss has a floor (no memorisation, no epochs) and the gradient noise scale `
 grows as the model approaches it (McCandlish et al. 2018): early on a small batch is as good as a big one,
 late a big batch saves steps at little cost in samples. The example GPT is trained with the same micro-batch
 under AccumulationScheduler: a fixed small batch, a fixed large batch, a ramp of K over samples, and the
-adaptive schedule (K from the measured noise scale), each with AdamW and with LAMB, the LR coupled to K
-(square root) where K changes. Each run stops at the first validation at or below the tightest target loss
-(or when the data runs out). Printed, for each target: samples and optimizer steps to reach it and their
-ratios to the best fixed batch (the fixed batch that needed the fewest samples); a plot of B_noise and K.
+adaptive schedule (K from the measured noise scale, aiming at the whole noise scale and at a quarter of it),
+each with AdamW and with LAMB, the LR coupled to K (square root) where K changes and decayed by a cosine
+over the sample budget, keyed to samples so every schedule sees the same LR at the same sample count. Each
+run stops at the first validation at or below the tightest target loss (or when the data runs out).
+Printed, for each target: samples and optimizer steps to reach it and their ratios to the best fixed batch
+(the fixed batch that needed the fewest samples); a plot of B_noise and K.
 """
 
 from __future__ import annotations
@@ -121,6 +123,26 @@ class Probe(L.Callback):
             trainer.should_stop = True
 
 
+class SampleCosine(L.Callback):
+    """The LR decays by the samples consumed, not the steps (every schedule sees the same LR at the same
+    sample count): a cosine from the base LR to ``floor`` times it over ``total`` samples. Set before each
+    batch, so AccumulationScheduler's K coupling multiplies it around the optimizer step."""
+
+    def __init__(self, total: int, floor: float = 0.1) -> None:
+        self.total, self.floor, self.samples = total, floor, 0
+        self.base: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        groups = trainer.optimizers[0].param_groups
+        if not self.base:
+            self.base = [g["lr"] for g in groups]
+        progress = min(1.0, self.samples / self.total)
+        factor = self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        for group, base in zip(groups, self.base):
+            group["lr"] = base * factor
+        self.samples += batch[0].shape[0]
+
+
 def run(optimizer: str, lr: float, scheduler: AccumulationScheduler | None, data: MarkovData, args: Any) -> Probe:
     L.seed_everything(0, verbose=False)
     model = GPT(vocab_size=args.vocab, block_size=args.block_size, n_layer=args.n_layer, d_model=args.d_model,
@@ -130,7 +152,10 @@ def run(optimizer: str, lr: float, scheduler: AccumulationScheduler | None, data
         accelerator="cpu", devices=1, max_steps=-1, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         val_check_interval=args.val_every, check_val_every_n_epoch=None,
-        callbacks=[probe, *([scheduler] if scheduler is not None else [])],
+        callbacks=[
+            probe, *([SampleCosine(args.train_samples)] if args.lr_decay else []),
+            *([scheduler] if scheduler is not None else []),
+        ],
     )  # fmt: skip
     trainer.fit(model, datamodule=data)
     return probe
@@ -139,7 +164,7 @@ def run(optimizer: str, lr: float, scheduler: AccumulationScheduler | None, data
 def schedules(args: Any) -> dict[str, tuple[float, Any]]:
     """name -> (LR multiplier, a factory of the AccumulationScheduler or None for K=1)."""
     big = args.large_k
-    return {
+    out = {
         "fixed small (K=1)": (1.0, lambda: None),
         f"fixed large (K={big})": (1.0, lambda: AccumulationScheduler(schedule={0: big})),
         f"ramp K 1->{big} over {args.ramp_samples // 1000}k samples": (
@@ -148,13 +173,16 @@ def schedules(args: Any) -> dict[str, tuple[float, Any]]:
                 ramp=Ramp(start=1, end=big, length=args.ramp_samples), unit="samples", lr_scaling="sqrt"
             ),
         ),
-        f"adaptive (K in [2, {args.max_k}])": (
-            math.sqrt(2),
-            lambda: AccumulationScheduler(
-                unit="adaptive", min_k=2, max_k=args.max_k, adapt_every=args.adapt_every, lr_scaling="sqrt"
-            ),
-        ),
     }
+    for f in args.noise_fractions:
+        out[f"adaptive, B = {f:g} B_noise"] = (
+            math.sqrt(2),
+            lambda f=f: AccumulationScheduler(
+                unit="adaptive", min_k=2, max_k=args.max_k, adapt_every=args.adapt_every, lr_scaling="sqrt",
+                noise_fraction=f,
+            ),
+        )  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -162,6 +190,8 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "lamb"])
     parser.add_argument("--lr-adamw", type=float, default=3e-3)
     parser.add_argument("--lr-lamb", type=float, default=5e-3)
+    parser.add_argument("--lr-decay", action=argparse.BooleanOptionalAction, default=True,
+                        help="cosine LR decay to 10%% over the sample budget, keyed to samples")  # fmt: skip
     parser.add_argument("--only", nargs="*", default=None, help="substrings of the schedule names to run")
     parser.add_argument("--vocab", type=int, default=16)
     parser.add_argument("--concentration", type=float, default=0.1)
@@ -172,6 +202,8 @@ def main() -> None:
     parser.add_argument("--large-k", type=int, default=16)
     parser.add_argument("--max-k", type=int, default=32)
     parser.add_argument("--adapt-every", type=int, default=10)
+    parser.add_argument("--noise-fractions", type=float, nargs="+", default=[1.0, 0.25],
+                        help="adaptive schedules: the batch aimed at, as a fraction of B_noise")  # fmt: skip
     parser.add_argument("--ramp-samples", type=int, default=30_000)
     parser.add_argument("--train-samples", type=int, default=80_000)
     parser.add_argument("--val-every", type=int, default=64, help="micro-batches between validations")

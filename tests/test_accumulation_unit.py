@@ -44,6 +44,7 @@ def test_lookup_switch_rule_and_ramps():
         ({"schedule": {0: 2}, "min_k": 4, "max_k": 2}, "max_k must be an integer >= 4, got 2"),
         ({"schedule": {0: 2}, "adapt_every": 0.5}, "adapt_every must be an integer >= 1, got 0.5"),
         ({"schedule": {0: 2}, "noise_ema": 1.5}, r"noise_ema must be in \[0, 1\)"),
+        ({"unit": "adaptive", "noise_fraction": 0}, "noise_fraction must be a finite number > 0, got 0"),
     ],
 )
 def test_bad_input_fails_at_construction(kwargs, message):
@@ -129,3 +130,23 @@ def test_lr_scaling_applies_around_each_step_and_composes_with_the_schedule():
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(
         trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("fraction", "b_noise", "k_now", "wanted"),
+    [
+        (1.0, 128.0, 8, 16),  # the critical batch: 128 samples = 16 micro-batches of 8
+        (0.25, 128.0, 8, 4),  # a quarter of it: 32 samples
+        (0.125, 128.0, 2, 2),  # 16 samples, already there
+        (0.125, 1024.0, 2, 4),  # 128 samples wanted, but at most x2 per change
+        (0.01, 128.0, 8, 4),  # below min_k... bounded by /2 per change first
+        (0.01, 128.0, 2, 2),  # ...then by min_k
+    ],
+)
+def test_adaptive_k_aims_at_noise_fraction_times_the_noise_scale(fraction, b_noise, k_now, wanted):
+    scheduler = AccumulationScheduler(unit="adaptive", min_k=2, max_k=64, adapt_every=1, noise_fraction=fraction)
+    scheduler.k, scheduler._micro_samples = k_now, 8
+    scheduler.noise.g2, scheduler.noise.trace, scheduler.noise.count = 1.0, b_noise, 1
+    assert scheduler.noise_scale == b_noise
+    trainer = type("T", (), {"global_step": 5})()
+    assert scheduler._wanted(trainer) == wanted

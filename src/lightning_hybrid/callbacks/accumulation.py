@@ -45,6 +45,11 @@ class AccumulationScheduler(Callback):
             the LR from their base values (LambdaLR, cosine, OneCycle, ...).
         noise_ema: smoothing of the noise-scale estimate (exponential moving average factor per step);
             ``None`` averages all steps equally.
+        noise_fraction: the adaptive batch aims at ``noise_fraction * B_noise`` samples. By the empirical
+            model of large-batch training (McCandlish et al. 2018), a batch ``B = f * B_noise`` needs about
+            ``1 + f`` times the fewest samples and ``1 + 1/f`` times the fewest steps: ``1.0`` (the critical
+            batch) halves neither; ``0.1``-``0.25`` keeps the samples near those of a small batch while still
+            cutting the steps.
 
     Example::
 
@@ -62,6 +67,7 @@ class AccumulationScheduler(Callback):
         adapt_every: int = 10,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         noise_ema: Union[float, None] = 0.95,
+        noise_fraction: float = 1.0,
     ) -> None:
         check_choice("unit", unit, ("step", "epoch", "samples", "adaptive"))
         check_choice("lr_scaling", lr_scaling, ("none", "linear", "sqrt"))
@@ -80,6 +86,8 @@ class AccumulationScheduler(Callback):
         check_number("noise_ema", noise_ema, minimum=0.0, optional=True)
         if noise_ema is not None and not noise_ema < 1:
             raise ValueError(f"noise_ema must be in [0, 1) or None, got {noise_ema!r}.")
+        check_number("noise_fraction", noise_fraction, minimum=0.0, inclusive=False,
+                     fix="it is the batch aimed at, in units of the noise scale B_noise")  # fmt: skip
         if schedule is not None and not isinstance(schedule, dict):
             raise ValueError(f"schedule must be a mapping {{position: K}}, e.g. {{0: 1, 1000: 4}}, got {schedule!r}.")
         resolved = validate_schedule(
@@ -99,6 +107,7 @@ class AccumulationScheduler(Callback):
         self.min_k, self.max_k, self.adapt_every = min_k, max_k, adapt_every
         self.lr_scaling = lr_scaling
         self.noise = NoiseScale(beta=noise_ema)
+        self.noise_fraction = noise_fraction
         # state (saved)
         self.k = lookup(self.schedule, 0)
         self.k0 = self.k
@@ -143,7 +152,7 @@ class AccumulationScheduler(Callback):
         b_simple = self.noise.value
         if b_simple is None or trainer.global_step - self.last_adapt_step < self.adapt_every or not self._micro_samples:
             return self.k
-        target = 2 ** round(math.log2(max(b_simple / self._micro_samples, 1.0)))
+        target = 2 ** round(math.log2(max(self.noise_fraction * b_simple / self._micro_samples, 1.0)))
         target = min(max(target, self.min_k, self.k // 2), self.max_k, self.k * 2)  # at most x2 per change
         return int(target)
 
