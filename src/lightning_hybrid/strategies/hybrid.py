@@ -1,11 +1,12 @@
 """HybridParallelStrategy: pipeline parallelism x ZeRO-1/2/3 inside each stage, as a Lightning Strategy.
 
-The strategy only connects Lightning's hooks to the techniques, each in its own module and applied once,
-in this order (``setup``): build the (pipeline, data) mesh (``setup_environment``), cut this rank's
-pipeline stages (``_pipeline``), shard them for ZeRO-3 (``_fsdp``), build the schedule and its runner
-(``_pipeline_runner``), and pick the gradient synchronisation of the ZeRO stage (``_grad_sync``).
-Checkpoints are sharded folders any layout reads (``_state`` and ``lightning_hybrid.checkpoint``).
-"""
+The strategy only connects Lightning's hooks to the techniques, each in its own module. ``setup_environment``
+builds the (pipeline, data) mesh; ``setup`` hands the module to ``_recipe.prepare_module``, which applies
+the techniques once, in order: find tied parameters (``_tied``), cut this rank's pipeline stages
+(``_pipeline``), read pretrained weights by slice (``_init_from``), shard for ZeRO-3 (``_fsdp``), build the
+schedule and its runner (``_pipeline_runner``) and the gradient synchronisation of the ZeRO stage
+(``_grad_sync``). Checkpoints are sharded folders any layout reads (``_state`` and
+``lightning_hybrid.checkpoint``)."""
 
 from __future__ import annotations
 
