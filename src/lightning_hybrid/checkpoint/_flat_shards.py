@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from lightning_hybrid.checkpoint._safe_load import SafeLoadPlanner
 
-__all__ = ["FlatShard", "FlatShardLoadPlanner", "FlatShardSavePlanner", "flat_boxes", "flat_index"]
+__all__ = ["FlatShard", "FlatShardLoadPlanner", "FlatShardSavePlanner", "flat_boxes", "flat_index", "view_boxes"]
 
 
 @dataclasses.dataclass
@@ -165,6 +165,16 @@ def flat_boxes(shape: tuple[int, ...] | torch.Size, start: int, stop: int) -> li
         boxes.append(([first_full] + [0] * (len(shape) - 1), [end_full - first_full, *shape[1:]]))
     if stop % inner:
         boxes += [([r1, *o], [1, *z]) for o, z in flat_boxes(shape[1:], 0, stop - r1 * inner)]
+    return boxes
+
+
+def view_boxes(shape: tuple[int, ...] | torch.Size, start: int, local: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+    """The boxes of the flat range ``[start, start + local.numel())`` of a tensor of ``shape``, each a view of
+    ``local`` (1-D, holding that range in row-major order)."""
+    boxes = []
+    for offsets, sizes in flat_boxes(shape, start, start + local.numel()):
+        begin = flat_index(shape, offsets) - start
+        boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
     return boxes
 
 

@@ -10,11 +10,13 @@ The folder format itself (files, manifest, safe reading) is ``lightning_hybrid.c
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -29,12 +31,26 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import (
+    LAYOUT_KEY,
+    read_meta,
+    read_sharded,
+    read_sharded_index,
+    split_checkpoint,
+    write_sharded,
+)
 from lightning_hybrid.strategies._grad_sync import GradientSync
 from lightning_hybrid.strategies._tied import CheckpointNames
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
 
-__all__ = ["load_sharded_checkpoint", "model_state", "optimizer_state"]
+__all__ = [
+    "ShardedCheckpointIO",
+    "checkpoint_folder",
+    "load_sharded_checkpoint",
+    "model_state",
+    "optimizer_state",
+    "save_sharded_checkpoint",
+]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -53,6 +69,49 @@ def optimizer_state(
     if sharded is not None:
         return names.to_store(sharded.flat_state_dict())
     return names.to_store(get_optimizer_state_dict(module, optimizer, options=_FLAT))
+
+
+class ShardedCheckpointIO:
+    """``save_checkpoint`` of a strategy whose checkpoints are the pack's sharded folders: it says its
+    ``checkpoint_layout()`` and takes Strategy's ``broadcast`` / ``barrier`` / ``is_global_zero``."""
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes torch DCP).")
+        assert isinstance(self, Strategy)
+        save_sharded_checkpoint(self, checkpoint, filepath, self.checkpoint_layout())
+
+
+def checkpoint_folder(strategy: Strategy, checkpoint_path: str | os.PathLike) -> Path:
+    """The folder every rank reads: rank 0 resolves links (``last.ckpt``), whatever each node caches."""
+    return Path(strategy.broadcast(str(Path(checkpoint_path).resolve())))
+
+
+def save_sharded_checkpoint(
+    strategy: Strategy, checkpoint: dict[str, Any], filepath: str | os.PathLike, layout: dict[str, Any]
+) -> None:
+    """Write Lightning's ``checkpoint`` dict as a sharded folder at ``filepath`` (every rank calls it)."""
+    path = Path(strategy.broadcast(str(filepath)))  # one folder for every rank
+    problem = None
+    if strategy.is_global_zero:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            # rewriting a folder: without the old index it never looks whole while the new one is written
+            (path / DCP_METADATA).unlink(missing_ok=True)
+        except OSError as exc:  # a file there, no permission: every rank fails the same way
+            problem = f"cannot write a sharded checkpoint (a folder) at {path}: {exc}"
+    problem = strategy.broadcast(problem)
+    if problem:
+        raise OSError(problem)
+    tensors, meta = split_checkpoint(checkpoint)
+    meta[LAYOUT_KEY] = layout
+    write_sharded(path, tensors, meta if strategy.is_global_zero else None)
+    strategy.barrier(f"{type(strategy).__name__}.save_checkpoint.done")
 
 
 def load_sharded_checkpoint(

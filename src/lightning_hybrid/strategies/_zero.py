@@ -19,7 +19,6 @@ any other layout reads, on each rank, only the boxes it owns there.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_boxes, flat_index
+from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_index, view_boxes
 from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._zero_grads import BucketGradients, FlatGradients, GroupGradients, WindowGradients
 
@@ -311,9 +310,8 @@ class FlatShardedOptimizer:
         for start, local in pieces:
             lo = max(off, base + start)
             hi = min(off + p.numel(), base + start + local.numel())
-            for offsets, sizes in flat_boxes(p.shape, lo - off, hi - off) if lo < hi else []:
-                begin = off + flat_index(p.shape, offsets) - base - start
-                boxes.append((tuple(offsets), local[begin : begin + math.prod(sizes)].view(sizes)))
+            if lo < hi:
+                boxes += view_boxes(p.shape, lo - off, local[lo - base - start : hi - base - start])
         return FlatShard(torch.Size(p.shape), pieces[0][1].dtype, boxes)
 
 

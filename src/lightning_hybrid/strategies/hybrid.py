@@ -14,7 +14,6 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
@@ -32,8 +31,7 @@ from typing_extensions import override
 
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
+from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._grad_sync import GradientSync, named_parameters
 from lightning_hybrid.strategies._init_from import PretrainedWeights
@@ -48,7 +46,13 @@ from lightning_hybrid.strategies._layout import (
 )
 from lightning_hybrid.strategies._pipeline_runner import PipelineRunner
 from lightning_hybrid.strategies._recipe import DP_AXIS, PP_AXIS, prepare_module
-from lightning_hybrid.strategies._state import load_sharded_checkpoint, model_state, optimizer_state
+from lightning_hybrid.strategies._state import (
+    ShardedCheckpointIO,
+    checkpoint_folder,
+    load_sharded_checkpoint,
+    model_state,
+    optimizer_state,
+)
 from lightning_hybrid.strategies._tied import CheckpointNames
 
 __all__ = ["HybridParallelStrategy"]
@@ -56,7 +60,7 @@ __all__ = ["HybridParallelStrategy"]
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(ModelParallelStrategy):
+class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
     """Pipeline parallelism across ranks x ZeRO-1/2/3 sharding inside each stage's data-parallel group.
 
     The ranks form a ``(pipeline_parallel, data_parallel)`` device mesh with data-parallel ranks adjacent,
@@ -423,35 +427,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Union[str, os.PathLike], storage_options: Any = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes torch DCP).")
-        path = Path(self.broadcast(str(filepath)))  # one folder for every rank
-        problem = None
-        if self.is_global_zero:
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                # rewriting a folder: without the old index it never looks whole while the new one is written
-                (path / DCP_METADATA).unlink(missing_ok=True)
-            except OSError as exc:  # a file there, no permission: every rank fails the same way
-                problem = f"cannot write a sharded checkpoint (a folder) at {path}: {exc}"
-        problem = self.broadcast(problem)
-        if problem:
-            raise OSError(problem)
-        tensors, meta = split_checkpoint(checkpoint)
-        meta[LAYOUT_KEY] = self.checkpoint_layout()
-        write_sharded(path, tensors, meta if self.is_global_zero else None)
-        self.barrier("HybridParallelStrategy.save_checkpoint.done")
-
-    @override
     def load_checkpoint(
         self, checkpoint_path: Union[str, os.PathLike], weights_only: Union[bool, None] = None
     ) -> dict[str, Any]:
-        # rank 0 resolves links (last.ckpt): every rank then reads the same folder, whatever its node caches.
-        # Payloads are read with weights_only=True whatever `weights_only` says: a checkpoint never runs code.
-        path = Path(self.broadcast(str(Path(checkpoint_path).resolve())))
+        # payloads are read with weights_only=True whatever `weights_only` says: a checkpoint never runs code
+        path = checkpoint_folder(self, checkpoint_path)
         module = self.lightning_module
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
