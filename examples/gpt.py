@@ -186,6 +186,7 @@ class GPT(L.LightningModule):
         dropout: dropout probability (keep 0.0 to compare pipelined runs with unpipelined ones exactly).
         lr: peak learning rate.
         weight_decay: decoupled weight decay (AdamW) or L2 (SGD).
+        momentum: SGD's momentum (its optimizer state).
         optimizer: ``"adamw"``, ``"sgd"`` (plain SGD makes exactness checks easy to reason about), or the
             layer-wise ``"lamb"`` / ``"lars"`` of :mod:`lightning_hybrid.optim` (large-batch training).
         warmup_steps: linear LR warm-up before a cosine decay to 10% at ``max_steps`` (0 keeps LR constant).
@@ -210,6 +211,7 @@ class GPT(L.LightningModule):
         dropout: float = 0.0,
         lr: float = 3e-3,
         weight_decay: float = 0.0,
+        momentum: float = 0.0,
         optimizer: str = "adamw",
         warmup_steps: int = 0,
         max_steps: int = 1000,
@@ -297,7 +299,7 @@ class GPT(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         if hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+            optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
         elif hp.optimizer == "adamw":
             optimizer = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
         elif hp.optimizer == "lamb":

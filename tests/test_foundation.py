@@ -9,7 +9,7 @@ from helpers import launch
 from reference import reference_run
 
 import lightning_hybrid
-from lightning_hybrid.strategies import HybridParallelStrategy
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy
 
 
 @pytest.mark.unit
@@ -20,6 +20,7 @@ def test_import_registers_strategy_names_idempotently():
     assert lightning_hybrid.register_strategies() == names  # a second call changes nothing
     assert {"hybrid", "hybrid_zero1", "hybrid_zero2", "hybrid_zero3", "hybrid_pipeline"} <= set(names)
     assert StrategyRegistry["hybrid_zero2"]["init_params"] == {"zero_stage": 2}
+    assert "deepspeed_pipeline" in names
 
 
 @pytest.mark.trainer
@@ -28,6 +29,8 @@ def test_trainer_resolves_hybrid_by_name():
     assert isinstance(trainer.strategy, HybridParallelStrategy)
     trainer = L.Trainer(strategy="hybrid_zero3", accelerator="cpu", devices=1, logger=False)
     assert trainer.strategy._zero_stage == 3
+    trainer = L.Trainer(strategy="deepspeed_pipeline", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, DeepSpeedPipelineStrategy)
 
 
 @pytest.mark.trainer

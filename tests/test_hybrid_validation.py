@@ -24,6 +24,15 @@ EXPECTED = {
     "no_contract": "NoContract cannot be pipelined: keep its pipeline-splittable blocks, in order, in `self.layers`",
     "tied_zero2_buckets": "reduce_gradients='every_microbatch' hands its gradient off during backward",
     "tied_groups_differ": "is tied across pipeline stages, and the stages that hold it step it with different",
+    "ds_tied": "are one parameter in two places; DeepSpeedPipelineStrategy does not build DeepSpeed's TiedLayerSpec",
+    "ds_accumulation_scheduler": "AccumulationScheduler cannot change DeepSpeed's accumulation",
+    "ds_adaptive_loss_scaling": "AdaptiveLossScalingPrecision cannot drive DeepSpeed's engine",
+    "ds_config_conflicts": (
+        "gradient_accumulation_steps: the config says 3, the strategy's num_microbatches says 4\n"
+        "  - gradient_clipping: the config says 1.0, Trainer(gradient_clip_val=...) says 0.5"
+    ),
+    "ds_batch_not_divisible": "a batch of 8 samples cannot be cut into num_microbatches=3 equal micro-batches",
+    "ds_meta_device": "layers.0.token.weight is on the meta device: DeepSpeedPipelineStrategy builds its stages",
 }
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["default_store", "mul_"]
+__all__ = ["default_store", "init_optimizer_state", "mul_"]
 
 
 def default_store() -> dist.Store | None:
@@ -33,3 +33,27 @@ def mul_(tensors: list[Tensor], factor: float) -> None:
         return
     for t in tensors:
         t.mul_(factor)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create ``optimizer``'s state as its first step would, without changing a parameter (a step with zero
+    gradients at LR 0; torch 2.13: ``checkpoint.state_dict._init_optim_state``, what DCP does before it loads
+    optimizer state). A no-op when the state exists or some parameter has a gradient."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    init = getattr(dcp_state_dict, "_init_optim_state", None)
+    if init is not None:
+        init(optimizer)
+        return
+    if optimizer.state or any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

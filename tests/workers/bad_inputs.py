@@ -11,7 +11,9 @@ import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, write_report
 
-from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit
+from lightning_hybrid.callbacks import AccumulationScheduler
+from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, PipelineSplit
 
 
 class NoContract(L.LightningModule):
@@ -39,6 +41,16 @@ CASES: dict[str, dict[str, Any]] = {
     # tied embeddings across the two stages: what cannot stay exact is refused before step 0
     "tied_zero2_buckets": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 2}, "tie": True},
     "tied_groups_differ": {"strategy": {"pipeline_parallel_size": 2}, "tie": True, "groups_by_name": True},
+    # DeepSpeedPipelineStrategy: what its engine cannot do fails at set-up, before the engine is built
+    "ds_tied": {"deepspeed": {}, "tie": True},
+    "ds_accumulation_scheduler": {"deepspeed": {}, "accumulation": True},
+    "ds_adaptive_loss_scaling": {"deepspeed": {}, "plugin": True},
+    "ds_config_conflicts": {
+        "deepspeed": {"config": {"gradient_accumulation_steps": 3, "gradient_clipping": 1.0}},
+        "trainer": {"gradient_clip_val": 0.5},
+    },
+    "ds_batch_not_divisible": {"deepspeed": {"num_microbatches": 3}},
+    "ds_meta_device": {"deepspeed": {}, "meta": True},
 }
 
 
@@ -52,20 +64,33 @@ def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
 
 def attempt(case: dict[str, Any]) -> str:
     try:
-        kwargs = dict(case["strategy"])
-        if "split" in kwargs:
-            kwargs["split"] = PipelineSplit(**kwargs["split"])
-        strategy = HybridParallelStrategy(**kwargs)
+        if "deepspeed" in case:
+            strategy: Any = DeepSpeedPipelineStrategy(pipeline_parallel_size=2, **case["deepspeed"])
+        else:
+            kwargs = dict(case["strategy"])
+            if "split" in kwargs:
+                kwargs["split"] = PipelineSplit(**kwargs["split"])
+            strategy = HybridParallelStrategy(**kwargs)
         if case.get("module") == "no_contract":
             model: L.LightningModule = NoContract()
         else:
             tie = case.get("tie", False)
-            model = build_model({"model": {"n_layer": case.get("n_layer", 4), "tie_embeddings": tie}})
+            model = build_model(
+                {
+                    "model": {
+                        "n_layer": case.get("n_layer", 4),
+                        "tie_embeddings": tie,
+                        "build_on_meta": bool(case.get("meta")),
+                    }
+                }
+            )
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
+            callbacks=[AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else [],
+            plugins=[AdaptiveLossScalingPrecision()] if case.get("plugin") else [], **case.get("trainer", {}),
         )  # fmt: skip
         trainer.fit(model, datamodule=ExactDataModule(block_size=16, global_batch=8))
     except Exception as exc:

@@ -39,10 +39,10 @@ from gpt import GPT, CharDataModule
 from lightning.pytorch.callbacks import Callback
 from train_gpt import make_strategy
 
+from lightning_hybrid._protocols import ShardedCheckpointing
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
 from lightning_hybrid.callbacks._writer import CheckpointWriter
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision, LossScaleConfig
-from lightning_hybrid.strategies import HybridParallelStrategy
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -279,7 +279,7 @@ def main(cfg: dict[str, Any]) -> None:
             "validation_batches": injector.validation_batches,
         }
     )
-    if cfg.get("weights") and isinstance(trainer.strategy, HybridParallelStrategy):
+    if cfg.get("weights") and isinstance(trainer.strategy, ShardedCheckpointing):
         if trainer.global_rank == 0:
             torch.save(consolidate_checkpoint(ft.last_model_path), cfg["weights"])
     elif cfg.get("weights") and trainer.global_rank == 0:

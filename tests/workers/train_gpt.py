@@ -10,7 +10,7 @@ from common import ExactDataModule, build_model, rank, run_worker, write_report
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from lightning_hybrid.strategies import HybridParallelStrategy, PipelineSplit, ZeroConfig
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, PipelineSplit, ZeroConfig
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 
@@ -35,6 +35,8 @@ class RecordLoss(Callback):
 
 def make_strategy(spec: dict[str, Any]) -> Any:
     name = spec.get("name", "hybrid")
+    if name == "deepspeed_class":
+        return DeepSpeedPipelineStrategy(**spec.get("kwargs", {}))
     if name != "hybrid_class":
         return name
     kwargs = dict(spec.get("kwargs", {}))
@@ -92,7 +94,8 @@ def main(cfg: dict[str, Any]) -> None:
         report["validate"] = results[0] if results else {}
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
-        if cfg.get("weights") and trainer.global_rank == 0 and isinstance(strategy, HybridParallelStrategy):
+        sharded = isinstance(strategy, (HybridParallelStrategy, DeepSpeedPipelineStrategy))
+        if cfg.get("weights") and trainer.global_rank == 0 and sharded:
             torch.save(consolidate_checkpoint(cfg["save"]), cfg["weights"])
     elif cfg.get("weights") and trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, cfg["weights"])

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agree, all_finite
+from lightning_hybrid._protocols import ShardedCheckpointing
 from lightning_hybrid.callbacks._resume_choice import agreed_verdict
 from lightning_hybrid.checkpoint._safe_load import load_payload
 from lightning_hybrid.checkpoint._store import StepFolder, parse_step_name
@@ -104,7 +105,7 @@ def _restore_weights(trainer: pl.Trainer, target: Path) -> None:
     strategy = trainer.strategy
     # the optimizer's state comes back, its hyperparameters (the scheduled LR) stay those of now
     hyper = [[{k: v for k, v in g.items() if k != "params"} for g in o.param_groups] for o in trainer.optimizers]
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, (ModelParallelStrategy, ShardedCheckpointing)):
         strategy.load_checkpoint(target)  # loads in place, resharding as needed
     else:
         checkpoint = load_payload(target)

@@ -214,7 +214,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             return
         self._flag.install()  # from here on a signal is honoured at the next batch boundary
         self._resume.prepare_folder(trainer)
-        sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+        sharded = isinstance(trainer.strategy, (ModelParallelStrategy, ShardedCheckpointing))
         if self.async_save and sharded and distributed_ready():
             # DCP's collectives run in the writer thread: give them their own group, away from training's
             self._ckpt_group = dist.new_group(backend="gloo")

@@ -13,7 +13,7 @@ import inspect
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["check_shardable", "register_elementwise"]
+__all__ = ["check_shardable", "is_elementwise", "register_elementwise"]
 
 # torch's optimizers whose update is element-wise (the step count and group scalars aside)
 _ELEMENTWISE: set[type[Optimizer]] = {
@@ -47,6 +47,11 @@ def _elementwise(cls: type[Optimizer]) -> bool:
         if base in _ELEMENTWISE:
             return base is cls or inspect.unwrap(cls.step) is inspect.unwrap(base.step)
     return False
+
+
+def is_elementwise(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is known to update each element from that element alone."""
+    return _elementwise(type(optimizer))
 
 
 def check_shardable(optimizer: Optimizer, zero_stage: int) -> None:

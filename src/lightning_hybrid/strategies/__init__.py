@@ -3,6 +3,15 @@
 from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._layout import PipelineSplit, ZeroConfig
 from lightning_hybrid.strategies._materialize import block_seed, seeded_init
+from lightning_hybrid.strategies.deepspeed_pipeline import DeepSpeedPipelineStrategy
 from lightning_hybrid.strategies.hybrid import HybridParallelStrategy
 
-__all__ = ["HybridParallelStrategy", "PipelineSplit", "PretrainedWeights", "ZeroConfig", "block_seed", "seeded_init"]
+__all__ = [
+    "DeepSpeedPipelineStrategy",
+    "HybridParallelStrategy",
+    "PipelineSplit",
+    "PretrainedWeights",
+    "ZeroConfig",
+    "block_seed",
+    "seeded_init",
+]

@@ -1,0 +1,121 @@
+"""What DeepSpeedPipelineStrategy refuses before it builds DeepSpeed's engine, each with what to use instead."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+
+from lightning_hybrid.strategies._deepspeed_config import precision_kind
+from lightning_hybrid.strategies._pipeline import check_pipeline_contract
+from lightning_hybrid.strategies._tied import find_ties
+
+__all__ = ["optimizer_problem", "refuse_unsupported"]
+
+
+def refuse_unsupported(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    plugin: Precision,
+    *,
+    zero_stage: int,
+    num_microbatches: int,
+    device: torch.device,
+) -> None:
+    """Raise, with what to use instead, for what DeepSpeed's engine cannot run as the Trainer asks. Reads
+    only what every rank has, so every rank raises the same error."""
+    from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
+    from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
+
+    check_pipeline_contract(module)
+    on_meta = [n for n, p in module.named_parameters() if p.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"{on_meta[0]} is on the meta device: DeepSpeedPipelineStrategy builds its stages from materialised"
+            " blocks. Build the model normally, or use HybridParallelStrategy, which materialises only each"
+            " rank's own blocks."
+        )
+    ties = find_ties(module)
+    if ties:
+        raise ValueError(
+            f"{ties[0].names} are one parameter in two places; DeepSpeedPipelineStrategy does not build"
+            " DeepSpeed's TiedLayerSpec from self.layers, so each stage would train its own copy. Use"
+            " HybridParallelStrategy, which keeps tied parameters exact across stages."
+        )
+    if isinstance(plugin, AdaptiveLossScalingPrecision):
+        raise ValueError(
+            "AdaptiveLossScalingPrecision cannot drive DeepSpeed's engine, which scales the loss itself: pass"
+            " precision='16-mixed' (DeepSpeed's loss scaler, tuned under `fp16` in the config) or use"
+            " HybridParallelStrategy for the adaptive, rank-agreed scaler."
+        )
+    if type(plugin) not in (Precision, MixedPrecision):
+        raise ValueError(
+            f"DeepSpeedPipelineStrategy runs precision '32-true', '16-mixed' or 'bf16-mixed' inside DeepSpeed's"
+            f" engine; {type(plugin).__name__} ({plugin.precision}) cannot."
+        )
+    kind = precision_kind(plugin.precision)
+    if kind == "fp16" and device.type == "cpu":
+        raise ValueError("DeepSpeed has no fp16 on CPU: use precision='bf16-mixed' or '32-true' there.")
+    if kind == "fp16" and zero_stage == 0:
+        raise ValueError(
+            "fp16 with zero_stage=0 keeps DeepSpeed's fp32 master weights where the pack's checkpoints cannot"
+            " read them; use zero_stage=1 (the same memory per stage for the weights, sharded optimizer state)."
+        )
+    if any(isinstance(cb, AccumulationScheduler) for cb in trainer.callbacks):
+        raise ValueError(
+            "AccumulationScheduler cannot change DeepSpeed's accumulation, which is fixed at engine set-up"
+            f" (num_microbatches={num_microbatches} micro-batches per step); raise num_microbatches or the batch size,"
+            " or use HybridParallelStrategy for accumulation schedules."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): DeepSpeed's pipeline"
+            " accumulates the micro-batches of one batch itself; set num_microbatches instead (now"
+            f" {num_microbatches})."
+        )
+    if trainer.gradient_clip_algorithm not in (None, "norm"):
+        raise ValueError(f"DeepSpeed clips gradients by their norm only, not by {trainer.gradient_clip_algorithm!r}.")
+    for cb in trainer.callbacks:
+        if isinstance(cb, FaultTolerantCheckpoint) and cb.nan_policy == "skip":
+            rank_zero_warn(
+                f"{type(cb).__name__}(nan_policy='skip') cannot skip a step under DeepSpeedPipelineStrategy: the"
+                " engine steps inside training_step. A non-finite loss is still detected; use"
+                " nan_policy='rollback' to return to the last checkpoint."
+            )
+
+
+def optimizer_problem(optimizer: Optimizer | None, *, zero_stage: int, precision: str, stage: int) -> str | None:
+    """Why DeepSpeed's optimizer wrappers would step ``optimizer`` differently from a single process, or None.
+    Depends on this stage's parameter groups: agree on it across ranks."""
+    if optimizer is None:
+        return None
+    problem = None
+    empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
+    if empty:  # a group whose parameters all sit on other stages: DeepSpeed drops it, the LR scheduler not
+        problem = (
+            f"param group(s) {empty} of {type(optimizer).__name__} hold no parameter of stage"
+            f" {stage}'s blocks; DeepSpeed drops empty groups and the LR scheduler would then set"
+            " the wrong groups' LR. Group parameters so every stage has some in each group, or use"
+            " HybridParallelStrategy"
+        )
+    flat = zero_stage >= 1 or precision_kind(precision) is not None
+    if flat and problem is None:
+        from lightning_hybrid.optim._shardable import is_elementwise
+        from lightning_hybrid.optim.layerwise import LayerwiseOptimizer
+
+        name = type(optimizer).__name__
+        if isinstance(optimizer, LayerwiseOptimizer):
+            problem = (
+                f"{name} takes per-tensor norms, and DeepSpeed's ZeRO-1 and mixed-precision optimizers step one"
+                " flat partition of all tensors; use zero_stage=0 in fp32, or HybridParallelStrategy, which tells"
+                f" {name} each tensor's bounds under every ZeRO stage"
+            )
+        elif not is_elementwise(optimizer):
+            problem = (
+                f"{name} is not known to be element-wise, and DeepSpeed's ZeRO-1 and mixed-precision optimizers"
+                " step it on a flat partition that cuts across tensors; use zero_stage=0 in fp32, an element-wise"
+                " optimizer (SGD, Adam, AdamW, ...), or declare it with lightning_hybrid.optim.register_elementwise"
+            )
+    return problem

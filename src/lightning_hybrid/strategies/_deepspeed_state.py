@@ -1,0 +1,247 @@
+"""DeepSpeed's pipeline engine state in the pack's sharded checkpoint format, and back.
+
+DeepSpeed's own checkpoint files are read with ``torch.load(weights_only=False)`` (a file can run code) and
+fit only the layout that wrote them. DeepSpeedPipelineStrategy writes the folders HybridParallelStrategy
+writes instead: the unsplit module's parameter names, fp32 weights (DeepSpeed's fp32 master copy where it
+keeps one), and the optimizer state in DCP's flattened, name-keyed form (``state.<fqn>.<key>``,
+``param_groups.<fqn>.<key>``). Under ZeRO-1 (and bf16/fp16, whose master copy DeepSpeed partitions the same
+way) each data-parallel rank writes the elements of each tensor its flat partition holds, as
+:class:`FlatShard` boxes. So a checkpoint of either engine loads into the other, into any layout, and
+through ``consolidate_checkpoint``; reading it never runs code.
+
+:class:`Slot` is where one parameter's values live: the parameter itself (ZeRO-0 fp32, where the torch
+optimizer steps the model's parameters), or a range of a flat fp32 partition that DeepSpeed's optimizer
+wrapper hands to the torch optimizer (its ``_hp_mapping``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hybrid._torch_compat import init_optimizer_state
+from lightning_hybrid.checkpoint._flat_shards import FlatShard, view_boxes
+from lightning_hybrid.strategies._deepspeed_config import precision_kind
+
+__all__ = [
+    "EnginePrecision",
+    "Slot",
+    "apply_loaded",
+    "client_optimizer",
+    "model_state",
+    "optimizer_state",
+    "slots",
+    "templates",
+]
+
+
+@dataclass
+class Slot:
+    """Where parameter ``name``'s fp32 value and optimizer state live on this rank."""
+
+    name: str
+    param: nn.Parameter  # the model's parameter (fp32, or bf16/fp16 under mixed precision)
+    owner: Tensor  # what the torch optimizer steps: the parameter itself, or a flat fp32 partition
+    group: dict[str, Any]  # owner's param group in the torch optimizer
+    lp_start: int  # the first element of the parameter this rank holds
+    hp_start: int  # where that element sits in ``owner`` (flattened)
+    numel: int  # how many elements this rank holds
+
+    @property
+    def whole(self) -> bool:
+        return self.owner is self.param
+
+    def piece(self, tensor: Tensor) -> Any:
+        """This rank's elements of a per-element tensor shaped like ``owner``: the tensor, or a FlatShard."""
+        if self.whole:
+            return tensor
+        flat = tensor.view(-1).narrow(0, self.hp_start, self.numel)
+        return FlatShard(self.param.shape, tensor.dtype, view_boxes(self.param.shape, self.lp_start, flat))
+
+
+def client_optimizer(engine: Any) -> Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (ZeRO-1, bf16, fp16), or the engine's own one."""
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)  # DeepSpeed's wrappers keep the torch optimizer here
+    return inner if isinstance(inner, Optimizer) else optimizer
+
+
+def slots(module: nn.Module, engine: Any) -> list[Slot]:
+    """Every trainable parameter this rank holds values for, under the unsplit module's names."""
+    optimizer = client_optimizer(engine)
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if not hasattr(param, "_hp_mapping"):  # the torch optimizer steps the model's own parameter
+            if id(param) not in group_of:
+                raise ValueError(
+                    f"{name} is trainable but in no param group of the optimizer: give it to the optimizer."
+                )
+            out.append(Slot(name, param, param, group_of[id(param)], 0, 0, param.numel()))
+            continue
+        mapping = param._hp_mapping  # DeepSpeed's link from the parameter to its fp32 partition
+        if mapping is None:
+            continue  # another data-parallel rank's partition holds all of it
+        group = optimizer.param_groups[mapping.param_group_index]
+        (owner,) = group["params"]
+        hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+        if mapping.hp_fragment.data_ptr() != owner.data_ptr() + hp.start * owner.element_size():
+            raise RuntimeError(
+                f"DeepSpeed's fp32 partition of {name} is not where this version of the strategy expects it;"
+                " this DeepSpeed version is not supported by DeepSpeedPipelineStrategy's checkpoints."
+            )
+        out.append(Slot(name, param, owner, group, lp.start, hp.start, hp.numel))
+    return out
+
+
+def model_state(module: nn.Module, held: list[Slot], *, partitioned: bool) -> dict[str, Any]:
+    """The module's state dict with each trainable parameter's fp32 value: with an engine that steps
+    (``partitioned``), this rank's elements of it from where the optimizer keeps it; else the parameter."""
+    state = dict(module.state_dict())
+    if not partitioned:  # before the engine exists, or an engine built for validate / test
+        params = {n for n, _ in module.named_parameters()}
+        return {k: v.float() if k in params and v.is_floating_point() else v for k, v in state.items()}
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    for name in trainable:
+        state.pop(name, None)  # written by the ranks that hold it, below
+    for slot in held:
+        state[slot.name] = slot.piece(slot.owner.detach())
+    return state
+
+
+def optimizer_state(optimizer: Optimizer, held: list[Slot]) -> dict[str, Any]:
+    """DCP's flattened optimizer state (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``) of ``held``."""
+    out: dict[str, Any] = {}
+    for slot in held:
+        for key, value in optimizer.state.get(slot.owner, {}).items():
+            per_element = isinstance(value, Tensor) and value.shape == slot.owner.shape
+            out[f"state.{slot.name}.{key}"] = slot.piece(value) if per_element else value
+        for key, value in slot.group.items():
+            if key != "params":
+                out[f"param_groups.{slot.name}.{key}"] = value
+    return out
+
+
+def templates(
+    module: nn.Module, held: list[Slot], optimizer: Optimizer | None, saved: dict[str, Any], prefix: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What this rank reads: ``(model, optimizer)`` dicts shaped as the checkpoint stores them.
+
+    Trainable parameters read whole into fp32 buffers (every rank needs the whole low-precision parameter),
+    except where the optimizer steps the parameter itself, which reads in place. The optimizer's state is
+    created first (as its first step would), so every stored key reads in place into a tensor of the right
+    kind, device and dtype: per-element state into this rank's range of what DeepSpeed steps, scalars (Adam's
+    step) whole. Keys the optimizer does not have are not read."""
+    model: dict[str, Any] = {}
+    trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    whole = {s.name for s in held if s.whole}
+    for name, value in module.state_dict().items():
+        if name in trainable and name not in whole:
+            model[name] = torch.empty(value.shape, dtype=torch.float32, device=value.device)
+        else:
+            model[name] = value  # read in place: ZeRO-0 fp32 parameters, buffers, frozen parameters
+    optim: dict[str, Any] = {}
+    if optimizer is None:
+        return model, optim
+    init_optimizer_state(optimizer)
+    for slot in held:
+        state = optimizer.state.get(slot.owner, {})
+        for key, meta in saved.items():
+            head = f"{prefix}.state.{slot.name}."
+            sub = key[len(head) :]
+            if not key.startswith(head) or "." in sub or sub not in state:
+                continue
+            value = state[sub]
+            if not isinstance(value, Tensor) or not isinstance(meta, TensorStorageMetadata):
+                optim[f"state.{slot.name}.{sub}"] = None  # a plain value, assigned below
+            elif value.shape == slot.owner.shape and tuple(meta.size) == tuple(slot.param.shape):
+                optim[f"state.{slot.name}.{sub}"] = slot.piece(value)  # per element: into this rank's range
+            elif tuple(meta.size) == tuple(value.shape):
+                optim[f"state.{slot.name}.{sub}"] = value  # a scalar (shared by a flat partition): in place
+        head = f"{prefix}.param_groups.{slot.name}."
+        for key, meta in saved.items():
+            sub = key[len(head) :]
+            if key.startswith(head) and isinstance(meta, BytesStorageMetadata) and sub in slot.group:
+                optim[f"param_groups.{slot.name}.{sub}"] = None
+    return model, optim
+
+
+def apply_loaded(
+    module: nn.Module, held: list[Slot], model: dict[str, Any], optimizer: Optimizer | None, optim: dict[str, Any]
+) -> None:
+    """Copy what :func:`templates` read into the model and into DeepSpeed's fp32 partitions."""
+    by_name = {s.name: s for s in held}
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            full = model.get(name)
+            slot = by_name.get(name)
+            if full is None or full is param or (slot is not None and slot.whole):
+                continue
+            param.copy_(full)  # every rank holds the whole (low-precision) parameter
+            if slot is not None:
+                flat = full.reshape(-1).narrow(0, slot.lp_start, slot.numel)
+                slot.owner.view(-1).narrow(0, slot.hp_start, slot.numel).copy_(flat)
+    if optimizer is None:
+        return
+    for slot in held:
+        state = optimizer.state.get(slot.owner, {})
+        for section, target in (("state", state), ("param_groups", slot.group)):
+            head = f"{section}.{slot.name}."
+            for key, value in optim.items():
+                sub = key[len(head) :]
+                if not key.startswith(head) or "." in sub or sub == "params" or sub not in target:
+                    continue
+                if not isinstance(value, (Tensor, FlatShard)):  # plain values; tensors were read in place
+                    target[sub] = value
+
+
+class EnginePrecision(Precision):
+    """Lightning's side of a precision DeepSpeed's engine runs itself (it casts the module, scales the loss).
+    Its state in a checkpoint is the engine's: step counters and, under fp16, the loss scaler."""
+
+    _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+    _SCALER = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def __init__(self, precision: str, engine: Callable[[], Any]) -> None:
+        self.precision = precision  # type: ignore[assignment]
+        self._engine = engine
+
+    def _scaler(self) -> Any:
+        """DeepSpeed's dynamic fp16 loss scaler, or None (fp32, bf16: nothing to keep)."""
+        engine = self._engine()
+        if engine is None or precision_kind(self.precision) != "fp16":
+            return None
+        return getattr(engine.optimizer, "loss_scaler", None)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        engine = self._engine()
+        if engine is None:
+            return {}
+        state: dict[str, Any] = {k: int(getattr(engine, k)) for k in self._COUNTERS}
+        scaler = self._scaler()
+        for key in self._SCALER:
+            if isinstance(getattr(scaler, key, None), (int, float)):
+                state[f"loss_scaler.{key}"] = getattr(scaler, key)
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine, scaler = self._engine(), self._scaler()
+        for key in self._COUNTERS:
+            if isinstance(state_dict.get(key), int):
+                setattr(engine, key, state_dict[key])
+        for key in self._SCALER:  # only a checkpoint's fp16 scaler state, into an fp16 run
+            value = state_dict.get(f"loss_scaler.{key}")
+            if scaler is not None and isinstance(value, (int, float)) and hasattr(scaler, key):
+                setattr(scaler, key, value)

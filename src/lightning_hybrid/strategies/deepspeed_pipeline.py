@@ -1,0 +1,488 @@
+"""DeepSpeedPipelineStrategy: DeepSpeed's pipeline engine behind the pack's pipeline model contract.
+
+The LightningModule is the one HybridParallelStrategy takes (blocks in ``self.layers``, ``pipeline_loss``,
+optional ``pipeline_batch``); switching engines is one line of YAML. ``setup`` builds a
+``deepspeed.pipe.PipelineModule`` from this rank's blocks, merges the DeepSpeed config with what Lightning
+owns (``_deepspeed_config``) and initialises the ``PipelineEngine``; each training batch is one
+``train_batch`` (forward, backward, gradient reduction, clipping and the optimizer step of DeepSpeed's
+1F1B schedule), each validation batch one ``eval_batch``. Checkpoints are the pack's sharded folders
+(``_deepspeed_state``), never DeepSpeed's own files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal, Union
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hybrid._agree import agree, agreed_problem
+from lightning_hybrid._skip import skip_schedulers_when
+from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
+from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
+from lightning_hybrid.strategies import _deepspeed_state as ds_state
+from lightning_hybrid.strategies._deepspeed_batch import batch_size, shapes, split, unpacking
+from lightning_hybrid.strategies._deepspeed_checks import optimizer_problem, refuse_unsupported
+from lightning_hybrid.strategies._deepspeed_config import (
+    EngineRequest,
+    check_arguments,
+    load_config,
+    merge_config,
+)
+from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
+
+__all__ = ["DeepSpeedPipelineStrategy"]
+
+
+class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
+    """DeepSpeed's ``PipelineEngine`` (1F1B pipeline x data parallel, ZeRO-0/1) driven from Lightning's loop.
+
+    Takes the same LightningModule as :class:`HybridParallelStrategy`: its blocks, in order, in
+    ``self.layers``; ``pipeline_loss(output, target)`` returning the micro-batch mean; optionally
+    ``pipeline_batch(batch) -> (inputs, target)``. Each batch of the DataLoader is cut into
+    ``num_microbatches`` micro-batches that DeepSpeed's 1F1B schedule runs; the optimizer steps once per batch.
+
+    Lightning owns, and writes into the DeepSpeed config: the micro-batch size and accumulation (batch size /
+    ``num_microbatches``), ``gradient_clipping`` (``Trainer(gradient_clip_val=...)``, 0 when unset: DeepSpeed's
+    silent default of 1.0 never applies), fp16 / bf16 (``Trainer(precision=...)``; fp16 uses DeepSpeed's
+    loss scaler), the ZeRO stage, and the optimizer and LR scheduler ``configure_optimizers`` returns (or
+    an optimizer named in the config when it returns none). A config key that disagrees fails at set-up
+    with both values. Gradient clipping uses the norm over every stage (DeepSpeed's fp32 ZeRO-0 pipeline path
+    would clip all stages by the first stage's norm).
+
+    Checkpoints are the pack's sharded folders: they load into this strategy at any layout, into
+    :class:`HybridParallelStrategy` and through ``consolidate_checkpoint``, and work with
+    ``FaultTolerantCheckpoint``. ``AccumulationScheduler`` and ``AdaptiveLossScalingPrecision`` are refused
+    (the engine accumulates the micro-batches and scales the loss itself); parameters tied across blocks
+    are refused (use HybridParallelStrategy, which keeps them exact).
+
+    Args:
+        pipeline_parallel_size: pipeline stages (one per rank); ``"auto"`` puts one on each node.
+        num_microbatches: micro-batches per batch (DeepSpeed's gradient accumulation steps); default: two per
+            stage.
+        data_parallel_size: replicas of the pipeline; default: the rest of the world.
+        zero_stage: 0 or 1 (DeepSpeed refuses ZeRO-2/3 with a pipeline).
+        config: a DeepSpeed config (a dict or the path of a JSON file) for everything Lightning does not own.
+        partition_method: how DeepSpeed balances blocks over stages: ``"parameters"``, ``"uniform"`` or
+            ``"type:REGEX"``.
+        activation_checkpoint_interval: recompute activations in backward every this many blocks (0: off).
+        process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device by default.
+        timeout: collective timeout.
+
+    Example::
+
+        trainer = Trainer(
+            strategy=DeepSpeedPipelineStrategy(pipeline_parallel_size=4, num_microbatches=8, zero_stage=1),
+            accelerator="gpu", devices=8, precision="bf16-mixed",
+        )
+    """
+
+    strategy_name = "deepspeed_pipeline"
+
+    def __init__(
+        self,
+        *,
+        pipeline_parallel_size: Union[int, Literal["auto"]],
+        num_microbatches: Union[int, None] = None,
+        data_parallel_size: Union[int, None] = None,
+        zero_stage: Literal[0, 1] = 0,
+        config: Union[dict[str, Any], str, os.PathLike, None] = None,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        process_group_backend: Union[str, None] = None,
+        timeout: Union[timedelta, None] = default_pg_timeout,
+    ) -> None:
+        check_arguments(pipeline_parallel_size, num_microbatches, data_parallel_size, zero_stage,
+                         partition_method, activation_checkpoint_interval)  # fmt: skip
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._pipeline_request = pipeline_parallel_size
+        self._num_microbatches_request = num_microbatches
+        self._data_parallel_request = data_parallel_size
+        self._zero_stage = zero_stage
+        self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
+        self._partition_method = partition_method
+        self._activation_checkpoint_interval = activation_checkpoint_interval
+        self._pp = self._dp = self._m = 0
+        self._engine: Any = None
+        self._slots: list[ds_state.Slot] = []
+        self._stepping = False  # the engine was built with an optimizer (for fit)
+        self._prepared_module: Union[nn.Module, None] = None
+        self._shape_key: Any = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "deepspeed_pipeline" not in strategy_registry:
+            strategy_registry.register(
+                "deepspeed_pipeline",
+                cls,
+                description="DeepSpeed's pipeline engine, one stage per node, ZeRO-0",
+                pipeline_parallel_size="auto",
+            )
+
+    # ------------------------------------------------------------------------------------------ layout
+
+    @property
+    def engine(self) -> Any:
+        """DeepSpeed's ``PipelineEngine`` (after ``setup``)."""
+        if self._engine is None:
+            raise RuntimeError("The DeepSpeed engine is built in setup().")
+        return self._engine
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.global_rank // self._dp  # DeepSpeed numbers ranks stage * dp + data index
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.global_rank % self._dp
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of one pipeline reads the same samples (the first stage the inputs, the last the targets)
+        return {"num_replicas": self._dp, "rank": self.data_parallel_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (and its fp32 partitions) must exist before a checkpoint loads into it
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer state into DeepSpeed's partitions itself
+
+    def checkpoint_layout(self) -> dict[str, Any]:
+        """The layout a checkpoint is written with (informational: any layout and either engine can load it)."""
+        return {
+            "engine": "deepspeed",
+            "pipeline_parallel_size": self._pp,
+            "data_parallel_size": self._dp,
+            "zero_stage": self._zero_stage,
+            "schedule": "1f1b",
+            "num_stages": self._pp,
+            "tied_parameters": [],
+        }
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the default process group (gloo on CPU, NCCL on GPU)
+        world = self.world_size
+        pp = self._pipeline_request
+        pp = self.num_nodes if pp == "auto" else pp  # "auto": one stage per node
+        problem = None
+        if world % pp:
+            problem = f"pipeline_parallel_size={pp} does not divide the world size {world}"
+        elif self._data_parallel_request is not None and self._data_parallel_request * pp != world:
+            problem = (
+                f"pipeline_parallel_size={pp} x data_parallel_size={self._data_parallel_request} !="
+                f" world size {world}; leave data_parallel_size unset to take the rest of the world"
+            )
+        if problem:
+            raise ValueError(f"DeepSpeedPipelineStrategy: {problem}.")
+        self._pp, self._dp = pp, world // pp
+        self._m = self._num_microbatches_request or 2 * pp
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))  # PipelineModule and the engine read it
+        import deepspeed
+
+        if self.root_device.type == "cpu":
+            # DeepSpeed would JIT-compile a shared-memory collective with ninja; torch's gloo is used instead
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), verbose=False)  # wraps ours
+        rank_zero_info(
+            f"DeepSpeedPipelineStrategy: pipeline_parallel_size={self._pp}, data_parallel_size={self._dp},"
+            f" zero_stage={self._zero_stage}, num_microbatches={self._m}"
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # every check reads what every rank has: each fails on all ranks with the same message, none waits
+        self._check_trainer(trainer, module)
+        if self._prepared_module is module and fitting and not self._stepping:
+            raise RuntimeError(
+                "DeepSpeedPipelineStrategy built its engine for validate/test, without an optimizer; fit with a new"
+                " Trainer (and strategy), or call fit before validate/test."
+            )
+        if self._prepared_module is not module:
+            pipe = self._build_pipeline(module)
+            self._prepared_module = module
+            self._engine = self._initialize(trainer, module, pipe, fitting)
+            self._stepping = fitting
+            problem = None
+            try:
+                self._slots = ds_state.slots(module, self._engine) if fitting else []
+            except ValueError as exc:
+                problem = str(exc)
+            problem = agreed_problem(problem, device=self.root_device)
+            if problem:
+                raise ValueError(problem)
+        self.barrier()
+        if not isinstance(self.precision_plugin, ds_state.EnginePrecision):
+            self.precision_plugin = ds_state.EnginePrecision(self.precision_plugin.precision, lambda: self._engine)
+
+    def _check_trainer(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        plugin = self.precision_plugin
+        if isinstance(plugin, ds_state.EnginePrecision):  # checked at the first set-up
+            plugin = Precision()
+            plugin.precision = self.precision_plugin.precision
+        refuse_unsupported(
+            trainer, module, plugin, zero_stage=self._zero_stage, num_microbatches=self._m, device=self.root_device
+        )
+
+    def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
+        from deepspeed.pipe import PipelineModule
+
+        items = list(module.layers.named_children())
+        pipe = PipelineModule(
+            layers=[unpacking(block) for _, block in items],
+            num_stages=self._pp,
+            loss_fn=module.pipeline_loss,
+            partition_method=self._partition_method,
+            activation_checkpoint_interval=self._activation_checkpoint_interval,
+        )
+        start, stop = pipe._local_start, pipe._local_stop  # this stage's blocks
+        problem = None
+        if start >= stop:
+            problem = (
+                f"stage {self.pipeline_rank} of {self._pp} got no block of self.layers ({len(items)} blocks): use"
+                " fewer stages or partition_method='uniform'"
+            )
+        problem = agreed_problem(problem, device=self.root_device)  # every rank fails, none waits
+        if problem:
+            raise ValueError(problem)
+        # the other stages' blocks go; names stay `layers.<original name>.*`, as in the unsplit module
+        module.layers = nn.ModuleDict(items[start:stop])
+        pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
+        for p in pipe.parameters():
+            # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say
+            # they are split across its "model parallel" (here: pipeline) group; then the norm is global
+            p.model_parallel = True
+        module.to(self.root_device)
+        return pipe
+
+    def _initialize(self, trainer: pl.Trainer, module: pl.LightningModule, pipe: nn.Module, fitting: bool) -> Any:
+        import deepspeed
+
+        optimizer = None
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) > 1:
+                raise ValueError(
+                    "DeepSpeedPipelineStrategy steps one optimizer; configure_optimizers returned several."
+                )
+            optimizer = self.optimizers[0] if self.optimizers else None
+            if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None: the config's
+                optimizer = None
+        self._check_optimizer(optimizer)
+        user = dict(self._user_config)
+        if not fitting:  # no optimizer or scheduler to build for validate / test
+            user.pop("optimizer", None)
+            user.pop("scheduler", None)
+        config = merge_config(
+            user,
+            EngineRequest(
+                micro_batch_size=self._micro_batch_size(trainer),
+                num_microbatches=self._m,
+                data_parallel_size=self._dp,
+                zero_stage=self._zero_stage,
+                gradient_clip_val=trainer.gradient_clip_val,
+                precision=self.precision_plugin.precision,
+                client_optimizer=optimizer is not None or not fitting,
+            ),
+        )
+        engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
+        if fitting:
+            if optimizer is None:  # built by DeepSpeed from the config: Lightning checkpoints it as its own
+                self.optimizers = [ds_state.client_optimizer(engine)]
+            # Lightning steps its LR schedulers after every step; DeepSpeed's fp16 skips some
+            skip_schedulers_when(trainer, lambda: not engine.was_step_applied())
+        return engine
+
+    def _check_optimizer(self, optimizer: Union[Optimizer, None]) -> None:
+        problem = optimizer_problem(
+            optimizer, zero_stage=self._zero_stage, precision=self.precision_plugin.precision, stage=self.pipeline_rank
+        )
+        problem = agreed_problem(problem, device=self.root_device)  # a stage's own groups: every rank fails
+        if problem:
+            raise ValueError(problem)
+
+    def _micro_batch_size(self, trainer: pl.Trainer) -> int:
+        """The DataLoader's batch size / num_microbatches (checked again on every batch)."""
+        size = self._user_config.get("train_micro_batch_size_per_gpu")
+        source = trainer.fit_loop._data_source  # what Lightning itself reads the batch size from for DeepSpeed
+        try:
+            loader = source.dataloader() if source.is_defined() else None
+            batch = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        except Exception:  # a loader that cannot be built this early: the config says
+            batch = None
+        if batch is not None:
+            if batch % self._m:
+                raise ValueError(
+                    f"the batch size {batch} is not divisible by num_microbatches={self._m}; choose a batch size"
+                    " that is a multiple of it."
+                )
+            size = batch // self._m
+        return int(size or 1)
+
+    # ----------------------------------------------------------------------------------------- training
+
+    def _micro_batches(self, batch: Any, mode: str) -> list[tuple[Any, Any]]:
+        module = self.lightning_module
+        assert module is not None
+        fn = getattr(module, "pipeline_batch", None)  # optional in the contract
+        inputs, target = fn(batch) if callable(fn) else (batch[0], batch[1])
+        size = batch_size(inputs)
+        # the stages exchange activation shapes only when they change: every rank must see the same sizes
+        low, high = agree([-size, size], op="max", device=self.root_device)
+        if -low != high:
+            raise ValueError(
+                f"the ranks got batches of {-low:.0f} to {high:.0f} samples; DeepSpeed's stages agree on activation"
+                " shapes once, so every replica needs the same batch size (use the same DataLoader and sampler)."
+            )
+        if size % self._m:
+            raise ValueError(
+                f"a batch of {size} samples cannot be cut into num_microbatches={self._m} equal micro-batches; use a"
+                " batch size divisible by it (and drop_last=True if the last batch is shorter)."
+            )
+        chunks = list(zip(split(inputs, self._m), split(target, self._m)))
+        key = (mode, shapes(chunks[0]))
+        if key != self._shape_key:  # new shapes, or train <-> eval: the stages agree on new buffers
+            self.engine.reset_activation_shape()
+            self._shape_key = key
+        return chunks
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        loss = self.engine.train_batch(data_iter=iter(self._micro_batches(args[0], "train")))
+        loss = loss.detach().float().reshape(())  # the step's mean loss, the same on every rank
+        module.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Union[Optimizer, None], *args: Any, **kwargs: Any) -> Tensor:
+        return closure_loss  # train_batch ran backward
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Union[Optimizer, LightningOptimizer],
+        closure: Callable[[], Any],
+        model: Union[pl.LightningModule, nn.Module, None] = None,
+        **kwargs: Any,
+    ) -> Any:
+        return closure()  # training_step's train_batch reduced, clipped and stepped
+
+    # --------------------------------------------------------------------------------------- evaluation
+
+    def _eval(self, metric: str, batch: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        chunks = self._micro_batches(batch, "eval")
+        loss = self.engine.eval_batch(iter(chunks), num_micro_batches=len(chunks))
+        loss = loss.detach().float().reshape(())  # the mean over micro-batches and replicas, on every rank
+        module.log(metric, loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("val_loss", args[0])
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_loss", args[0])
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "DeepSpeedPipelineStrategy does not predict (DeepSpeed's eval_batch returns only the last micro-batch's"
+            " outputs); load the checkpoint with consolidate_checkpoint into the unsplit module to predict."
+        )
+
+    # -------------------------------------------------------------------------------------- checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ds_state.model_state(self.lightning_module, self._slots, partitioned=self._stepping)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._stepping:
+            return {}
+        return ds_state.optimizer_state(ds_state.client_optimizer(self.engine), self._slots)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Union[str, os.PathLike], weights_only: Union[bool, None] = None
+    ) -> dict[str, Any]:
+        # read with the pack's safe reader whatever `weights_only` says: a checkpoint never runs code
+        path = checkpoint_folder(self, checkpoint_path)
+        module = self.lightning_module
+        assert module is not None
+        problem = None if (path / DCP_METADATA).is_file() else (
+            f"{path} is not a sharded checkpoint of this pack (no {DCP_METADATA}); pass the folder that"
+            " trainer.save_checkpoint or FaultTolerantCheckpoint wrote."
+        )  # fmt: skip
+        problem = agreed_problem(problem, device=self.root_device)
+        if problem:
+            raise FileNotFoundError(problem)
+        saved = read_sharded_index(path).state_dict_metadata
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizer = ds_state.client_optimizer(self.engine) if fitting else None
+        model, optim = ds_state.templates(module, self._slots, optimizer, saved, "optimizer_0")
+        missing = [k for k in model if f"state_dict.{k}" not in saved]
+        problem = (
+            f"The checkpoint at {path} has no values for {missing[:5]}" if missing and module.strict_loading else None
+        )
+        problem = agreed_problem(problem, device=self.root_device)
+        if problem:
+            raise KeyError(problem)
+        to_load: dict[str, Any] = {"state_dict": {k: v for k, v in model.items() if k not in missing}}
+        if optim:
+            to_load["optimizer_0"] = optim
+        read_sharded(path, to_load)
+        ds_state.apply_loaded(module, self._slots, to_load["state_dict"], optimizer, to_load.get("optimizer_0", {}))
+        meta = read_meta(path)
+        written = meta.get(LAYOUT_KEY)
+        if written:
+            rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.checkpoint_layout()}")
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint loaded the weights in place
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # load_checkpoint loaded the optimizer state in place
+
+    @override
+    def teardown(self) -> None:
+        # Strategy.teardown would move the module and the optimizer state to the CPU, away from DeepSpeed's flat
+        # buffers (which a later validate()/test() on this Trainer reuses); a refused meta-built module cannot
+        # move at all. The engine keeps them where they are.
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
