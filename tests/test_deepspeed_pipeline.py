@@ -17,7 +17,7 @@ from lightning_hybrid.strategies._deepspeed_config import EngineRequest, load_co
 # SGD with momentum: its state must travel through every checkpoint
 MODEL = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "n_layer": 4}
 BASE = {"model": MODEL, "data": {"global_batch": 8}}
-STEPS = 6
+STEPS = 6  # the AdamW chain
 
 
 def _ds(pp: int = 2, zero_stage: int = 0, **kwargs) -> dict:
@@ -50,15 +50,20 @@ def _compare(name: str, losses, weights, ref_losses, ref_weights) -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["unclipped", "clip0.5"])
 def test_exact_against_one_process_and_resumed_across_layouts_and_into_the_native_engine(tmp_path, clip):
-    """pp2 and pp2 x dp2, ZeRO-0 and ZeRO-1, each against one process (losses 1e-5, weights 1e-4); every launch
-    resumes the previous one's checkpoint in another layout, the last one in HybridParallelStrategy."""
-    ref_losses, _ = reference_run(BASE, steps=STEPS, clip=clip)
-    chain = [  # (name, processes, strategy); each trains two more steps
-        ("pp2_z0" if clip else "pp2x2_z0", 2 if clip else 4, _ds(zero_stage=0)),
-        ("pp2x2_z1" if clip else "pp2_z1", 4 if clip else 2, _ds(zero_stage=1)),
-        ("native_pp2_z1", 2, {"name": "hybrid_class",
-                              "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 1}}),
-    ]  # fmt: skip
+    """pp2 and pp2 x dp2, each with ZeRO-0 and ZeRO-1, against one process (losses 1e-5, weights 1e-4); each
+    launch trains two steps from the previous one's checkpoint in another layout; the clipped chain ends in
+    HybridParallelStrategy."""
+    layouts = {"pp2_z0": (2, _ds(zero_stage=0)), "pp2_z1": (2, _ds(zero_stage=1)),
+               "pp2x2_z0": (4, _ds(zero_stage=0)), "pp2x2_z1": (4, _ds(zero_stage=1))}  # fmt: skip
+    native = (
+        2,
+        {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 1}},
+    )
+    if clip:
+        chain = [(n, *layouts[n]) for n in ("pp2_z0", "pp2x2_z1", "pp2_z1", "pp2x2_z0")] + [("native", *native)]
+    else:
+        chain = [(n, *layouts[n]) for n in ("pp2x2_z0", "pp2_z1", "pp2x2_z1", "pp2_z0")]
+    ref_losses, _ = reference_run(BASE, steps=2 * len(chain), clip=clip)
     resume = None
     for i, (name, nproc, strategy) in enumerate(chain):
         steps = (2 * i, 2 * i + 2)
@@ -69,19 +74,50 @@ def test_exact_against_one_process_and_resumed_across_layouts_and_into_the_nativ
 
 @pytest.mark.multiproc
 def test_adamw_state_travels_between_deepspeeds_flat_partitions_and_the_native_engine(tmp_path):
-    """AdamW (per-element moments and a scalar step, which DeepSpeed's ZeRO-1 keeps once per flat partition):
-    DeepSpeed ZeRO-1 -> HybridParallelStrategy ZeRO-0 -> DeepSpeed ZeRO-1, exact against one process."""
+    """AdamW (per-element moments and a scalar step, which DeepSpeed's ZeRO-1 keeps once per flat partition),
+    started from pretrained weights (init_from): DeepSpeed ZeRO-1 -> HybridParallelStrategy ZeRO-0 ->
+    DeepSpeed ZeRO-1, exact against one process that starts from the same weights."""
+    from workers.common import build_model
+
     base = {"model": {"optimizer": "adamw", "lr": 0.01, "n_layer": 4}, "data": {"global_batch": 8}}
-    ref_losses, _ = reference_run(base, steps=STEPS)
+    pretrained = tmp_path / "pretrained.pt"
+    torch.save(build_model({**base, "seed": 7}).state_dict(), pretrained)  # the workers build with seed 0
+    ref_losses, _ = reference_run({**base, "seed": 7}, steps=STEPS)
     native = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2}}
+    chain = [
+        ("ds_z1_init_from", _ds(zero_stage=1, init_from=str(pretrained))),
+        ("native_z0", native),
+        ("ds_z1_again", _ds(zero_stage=1)),
+    ]
     resume = None
-    for i, (name, strategy) in enumerate(
-        [("ds_z1", _ds(zero_stage=1)), ("native_z0", native), ("ds_z1_again", _ds(zero_stage=1))]
-    ):
+    for i, (name, strategy) in enumerate(chain):
         steps = (2 * i, 2 * i + 2)
         losses, weights, resume = _run(tmp_path, name, 2, strategy, steps, None, resume, base=base)
-        _, ref_weights = reference_run(base, steps=steps[1])
+        _, ref_weights = reference_run({**base, "seed": 7}, steps=steps[1])
         _compare(name, losses, weights, ref_losses[steps[0] : steps[1]], ref_weights)
+
+
+@pytest.mark.multiproc
+def test_bf16_runs_deepspeeds_bf16_engine_and_resumes_bit_exactly(tmp_path):
+    """precision='bf16-mixed' under ZeRO-1: DeepSpeed's bf16 optimizer (fp32 master and accumulation); near
+    the fp32 run, and two steps + a resume give exactly the four uninterrupted steps (the fp32 master
+    weights and the optimizer state travel; the checkpoint holds fp32)."""
+    base = {"model": {"optimizer": "adamw", "lr": 0.01, "n_layer": 4}, "data": {"global_batch": 8}, "devices": 2,
+            "trainer": {"precision": "bf16-mixed"}, "strategy": _ds(zero_stage=1)}  # fmt: skip
+
+    def run(name: str, steps: int, **extra) -> tuple[list[float], dict]:
+        cfg = {**base, "steps": steps, "save": str(tmp_path / name), "weights": str(tmp_path / f"{name}.pt"),
+               "out": str(tmp_path / f"{name}-out"), **extra}  # fmt: skip
+        return launch("train_gpt.py", cfg, nproc=2).rank(0)["losses"], torch.load(tmp_path / f"{name}.pt")
+
+    full, weights = run("full", 4)
+    first, _ = run("first", 2)
+    second, resumed = run("second", 4, resume=str(tmp_path / "first"), data={**base["data"], "skip": 2})
+    assert first + second == full
+    assert all(v.dtype == torch.float32 for v in weights.values()) and weights.keys() == resumed.keys()
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    ref, _ = reference_run({k: v for k, v in base.items() if k in ("model", "data")}, steps=4)
+    torch.testing.assert_close(torch.tensor(full), torch.tensor(ref), rtol=0, atol=5e-3)  # bf16 compute
 
 
 @pytest.mark.multiproc
@@ -183,6 +219,10 @@ def test_config_takes_what_lightning_owns_and_shows_both_values_of_a_conflict(tm
     bf16 = merge_config({"bfloat16": {"enabled": True}}, _request(precision="bf16-mixed"))  # DeepSpeed's alias
     assert bf16["bf16"]["enabled"] is True and "bfloat16" not in bf16
     assert bf16["data_types"]["grad_accum_dtype"] == "fp32"  # as Lightning's bf16-mixed accumulates
+    with pytest.raises(ValueError, match="with zero_stage=0 accumulates bf16 gradients only in bf16"):
+        merge_config({}, _request(precision="bf16-mixed", zero_stage=0))
+    asked = {"data_types": {"grad_accum_dtype": "bf16"}}
+    assert merge_config(asked, _request(precision="bf16-mixed", zero_stage=0))["bf16"]["enabled"] is True
 
     bad = {"gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
            "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 0}}  # fmt: skip

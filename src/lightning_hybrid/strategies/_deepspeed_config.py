@@ -120,8 +120,16 @@ def merge_config(user: dict[str, Any], want: EngineRequest) -> dict[str, Any]:
 
     if kind == "bf16":  # Lightning's bf16-mixed accumulates gradients in fp32; DeepSpeed's default is bf16
         types = config.setdefault("data_types", {})
-        if isinstance(types, dict):
+        if not isinstance(types, dict):
+            raise ValueError(f"data_types in the DeepSpeed config must be an object, got {types!r}.")
+        if want.zero_stage >= 1:
             types.setdefault("grad_accum_dtype", "fp32")
+        elif types.get("grad_accum_dtype") not in ("bf16", "bfloat16"):
+            conflicts.append(
+                "data_types.grad_accum_dtype: DeepSpeed's pipeline with zero_stage=0 accumulates bf16 gradients"
+                " only in bf16 (Trainer(precision='bf16-mixed') means fp32); use zero_stage=1, or accept bf16"
+                " accumulation with data_types: {grad_accum_dtype: bf16} in the config"
+            )
     if want.client_optimizer and "optimizer" in config:
         conflicts.append(
             "optimizer: the config names one and configure_optimizers returns one; keep one of them (return"

@@ -40,6 +40,7 @@ from lightning_hybrid.strategies._deepspeed_config import (
     load_config,
     merge_config,
 )
+from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
 
 __all__ = ["DeepSpeedPipelineStrategy"]
@@ -77,6 +78,10 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         partition_method: how DeepSpeed balances blocks over stages: ``"parameters"``, ``"uniform"`` or
             ``"type:REGEX"``.
         activation_checkpoint_interval: recompute activations in backward every this many blocks (0: off).
+        init_from: start from pretrained weights, as HybridParallelStrategy's ``init_from`` (a ``torch.save``
+            state_dict, ``.safetensors`` files, a checkpoint of this pack, or a :class:`PretrainedWeights` with
+            a key map); each rank reads only its stage's tensors. A checkpoint resumed with ``ckpt_path``
+            overrides them.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device by default.
         timeout: collective timeout.
 
@@ -100,6 +105,7 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         config: Union[dict[str, Any], str, os.PathLike, None] = None,
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
+        init_from: Union[str, os.PathLike, PretrainedWeights, None] = None,
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -113,6 +119,9 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
         self._partition_method = partition_method
         self._activation_checkpoint_interval = activation_checkpoint_interval
+        if init_from is not None and not isinstance(init_from, PretrainedWeights):
+            init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
+        self._init_from: Union[PretrainedWeights, None] = init_from
         self._pp = self._dp = self._m = 0
         self._engine: Any = None
         self._slots: list[ds_state.Slot] = []
@@ -251,6 +260,9 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
         from deepspeed.pipe import PipelineModule
 
+        # pretrained weights are planned against the whole module (every key must fit), read after the cut
+        device = self.root_device
+        pretrained = agreed_plan(self._init_from, module, device) if self._init_from is not None else None
         items = list(module.layers.named_children())
         pipe = PipelineModule(
             layers=[unpacking(block) for _, block in items],
@@ -276,7 +288,10 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say
             # they are split across its "model parallel" (here: pipeline) group; then the norm is global
             p.model_parallel = True
-        module.to(self.root_device)
+        module.to(device)
+        if pretrained is not None:  # this stage's tensors only, before DeepSpeed copies them into its partitions
+            read = agreed_load(module, *pretrained, device)
+            rank_zero_info(f"init_from: rank 0 read {read / 2**20:.1f} MiB of {pretrained[1].weights.path}")
         return pipe
 
     def _initialize(self, trainer: pl.Trainer, module: pl.LightningModule, pipe: nn.Module, fitting: bool) -> Any:
