@@ -1,6 +1,6 @@
 """Pipeline engines head to head: torch pipelining, HybridParallelStrategy, DeepSpeed, DeepSpeedPipelineStrategy.
 
-    python benchmarks/engines.py                  # pp2 (and pp2 x dp2 with >= 4 CPU cores), ~2 min
+    python benchmarks/engines.py                  # pp2 (and pp2 x dp2 with >= 4 CPU cores), ~5 min
     python benchmarks/engines.py --layouts pp2 pp2xdp2 --steps 20
 
 One model (a residual MLP whose micro-batch compute, tens of ms on a CPU core, dwarfs a gloo send of its
@@ -14,8 +14,8 @@ activations), one data stream, one layout, the 1F1B schedule and the same micro-
 Each is its own ``torchrun`` job of this file (``--worker``). Printed: the median step time (the wall time
 from one batch to the next, data loading and, for (b) and (d), everything Lightning does per step included)
 and each rank's peak resident memory above its baseline after imports, as ratios to (a) and to (c); and the
-1F1B bubble of (a) and (b) measured per rank (the idle share of the span from a step's first forward to its
-last backward) against the ideal ``(p - 1) / (m + p - 1)``.
+1F1B bubble of each measured per rank (the idle share of the span from the rank's first forward to its last
+backward), against the first stage's ideal ``(p - 1) / (m + p - 1)``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _rss_now_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _model(cfg: dict[str, Any]) -> Any:
+def _model(cfg: dict[str, Any], layers: bool = True) -> Any:
     import lightning as L
     import torch
     from torch import nn
@@ -75,7 +75,8 @@ def _model(cfg: dict[str, Any]) -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.Sequential(*[Block(cfg["d_model"]) for _ in range(cfg["blocks"])])
+            self.layers = nn.Sequential(*[Block(cfg["d_model"]) for _ in range(cfg["blocks"] if layers else 0)])
+            self.block = Block
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.layers(x)
@@ -123,6 +124,26 @@ def _timed_stages(stages: list[Any], timeline: list[tuple[str, float, float]]) -
         st.backward_one_chunk = timed("B", st.backward_one_chunk)
 
 
+def _timed_deepspeed(timeline: list[tuple[str, float, float]]) -> None:
+    """Record when each forward / backward pass of DeepSpeed's pipeline engine ran (benchmark only): its
+    schedule dispatches through the class's instruction map."""
+    from deepspeed.runtime.pipe import schedule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    table = PipelineEngine._INSTRUCTION_MAP
+    for kind, instr in (("F", schedule.ForwardPass), ("B", schedule.BackwardPass)):
+        fn = table[instr]
+
+        def wrapper(self: Any, *args: Any, _fn: Any = fn, _kind: str = kind, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _fn(self, *args, **kwargs)
+            finally:
+                timeline.append((_kind, start, time.perf_counter()))
+
+        table[instr] = wrapper
+
+
 def _bubble(timeline: list[tuple[str, float, float]]) -> float | None:
     if not timeline:
         return None
@@ -131,11 +152,15 @@ def _bubble(timeline: list[tuple[str, float, float]]) -> float | None:
 
 
 def worker(cfg: dict[str, Any]) -> None:
-    # every engine imports the same modules before its baseline, so the memory figures compare the engines
+    # every engine imports the same modules before its baseline (DeepSpeed's pipeline engine alone is ~70 MB),
+    # so the memory figures compare what the engines allocate
     import deepspeed
+    import deepspeed.pipe
+    import deepspeed.runtime.pipe.engine
     import lightning as L
     import torch
     import torch.distributed as dist
+    import torch.distributed.pipelining
 
     from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy
 
@@ -143,11 +168,15 @@ def worker(cfg: dict[str, Any]) -> None:
     engine, pp, m = cfg["engine"], cfg["pp"], cfg["microbatches"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dp = world // pp
-    baseline = _rss_now_mb()
-    module = _model(cfg)  # (c) builds its own blocks from LayerSpecs instead
     times: list[float] = []
     timeline: list[tuple[str, float, float]] = []
     bubbles: list[float] = []
+    baseline = _rss_now_mb()
+    # the model as a user builds it (whole, then the strategy keeps a stage); (c) builds only its stage's
+    # blocks from LayerSpecs, as DeepSpeed's examples do
+    module = _model(cfg, layers=engine != "c")
+    if engine in ("c", "d"):
+        _timed_deepspeed(timeline)
 
     def tick() -> None:
         times.append(time.perf_counter())
@@ -213,9 +242,7 @@ def worker(cfg: dict[str, Any]) -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built collective on CPU
         deepspeed.init_distributed("gloo", verbose=False)
-        block = type(module.layers[0])
-        del module.layers
-        specs = [LayerSpec(block, cfg["d_model"]) for _ in range(cfg["blocks"])]
+        specs = [LayerSpec(module.block, cfg["d_model"]) for _ in range(cfg["blocks"])]
         pipe = PipelineModule(layers=specs, num_stages=pp, loss_fn=module.pipeline_loss, partition_method="uniform")
         optimizer = torch.optim.SGD(pipe.parameters(), lr=cfg["lr"])
         config = {"train_micro_batch_size_per_gpu": cfg["batch"] // m, "gradient_accumulation_steps": m,
@@ -249,7 +276,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of every engine, interleaved (a b c d a b c d)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs of every engine, interleaved (a b c d a b c d ...)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     if args.worker:
@@ -263,6 +292,7 @@ def main() -> None:
     lines = [
         f"residual MLP, {args.blocks} blocks of d_model {args.d_model} (4x hidden), SGD, 1F1B, {m} micro-batches of"
         f" {args.batch // m} samples, 1 thread per rank (CPU, gloo); {args.repeats} runs of each engine, interleaved;"
+        " (a), (b), (d) build the whole model and keep a stage, (c) builds its stage from LayerSpecs;"
         f" step time: median over runs of the median of {args.steps - args.warmup} steps after {args.warmup} warm-up;"
         " peak RSS above each rank's baseline after imports (max over ranks and runs)",
     ]
@@ -278,6 +308,7 @@ def main() -> None:
         results = {
             key: {  # the median over runs of each run's median step (ranks agree within a step); the peak's max
                 "time": statistics.median(statistics.median(r["step_time"] for r in run) for run in done),
+                "runs": [statistics.median(r["step_time"] for r in run) for run in done],
                 "peak": max(r["peak_mb"] for run in done for r in run),
                 "bubble": [statistics.median(run[i]["bubble"] for run in done) for i in range(nproc)]
                 if done[0][0]["bubble"] is not None
@@ -285,19 +316,31 @@ def main() -> None:
             }
             for key, done in runs.items()
         }
-        head = f"{'engine':<42} {'step ms':>8} {'/ (a)':>6} {'/ (c)':>6} {'peak MB':>8} {'/ (a)':>6} {'/ (c)':>6}"
+        head = (
+            f"{'engine':<42} {'step ms':>8} {'runs min-max':>13} {'/ (a)':>6} {'/ (c)':>6} {'peak MB':>8} {'/ (a)':>6}"
+            f" {'/ (c)':>6}"
+        )
         lines += ["", f"layout {layout} ({nproc} processes)", head]
         for key, name in ENGINES.items():
             r, a, c = results[key], results["a"], results["c"]
             t, mb = r["time"], r["peak"]
+            spread = f"{min(r['runs']) * 1000:.0f}-{max(r['runs']) * 1000:.0f}"
             lines.append(
-                f"({key}) {name:<38} {t * 1000:>8.1f} {t / a['time']:>6.2f} {t / c['time']:>6.2f}"
+                f"({key}) {name:<38} {t * 1000:>8.1f} {spread:>13} {t / a['time']:>6.2f} {t / c['time']:>6.2f}"
                 f" {mb:>8.0f} {mb / a['peak']:>6.2f} {mb / c['peak']:>6.2f}"
             )
         ideal = (p - 1) / (m + p - 1)
-        for key in ("a", "b"):
+        lines.append(
+            f"1F1B bubble per rank (idle share of the span from the rank's first forward to its last backward);"
+            f" ideal for the first stage (p-1)/(m+p-1) = {ideal:.3f}, for the last stage about 0:"
+        )
+        for key in ENGINES:
             measured = ", ".join(f"{b:.3f}" for b in results[key]["bubble"])
-            lines.append(f"1F1B bubble of ({key}) per rank: {measured} (ideal (p-1)/(m+p-1) = {ideal:.3f})")
+            lines.append(f"  ({key}) {ENGINES[key]}: {measured}")
+        lines.append(
+            f"like for like: raw torch / raw DeepSpeed (a)/(c) = {results['a']['time'] / results['c']['time']:.3f},"
+            f" under Lightning (b)/(d) = {results['b']['time'] / results['d']['time']:.3f}"
+        )
         targets = [
             ("(b) / (a) step time <= 1.05", results["b"]["time"] / results["a"]["time"], 1.05),
             ("(d) / (c) step time <= 1.05", results["d"]["time"] / results["c"]["time"], 1.05),

@@ -127,7 +127,8 @@ def test_kill9_mid_run_restarts_and_ends_with_the_uninterrupted_weights(tmp_path
     common = {"strategy": _ds(zero_stage=1), "steps": 8, "model": {"dropout": 0.1}}
 
     def job(name: str, **extra) -> dict:
-        return {"ft": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 2}, **common,
+        ft = {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 2, "nan_policy": "rollback"}
+        return {"ft": ft, **common,
                 "weights": str(tmp_path / name / "w.pt"), "out": str(tmp_path / name / "out"), **extra}  # fmt: skip
 
     ref_cfg = job("ref")

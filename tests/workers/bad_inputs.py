@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, write_report
 
-from lightning_hybrid.callbacks import AccumulationScheduler
+from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
 from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, PipelineSplit
 
@@ -51,6 +51,10 @@ CASES: dict[str, dict[str, Any]] = {
     },
     "ds_batch_not_divisible": {"deepspeed": {"num_microbatches": 3}},
     "ds_meta_device": {"deepspeed": {}, "meta": True},
+    "ds_nan_policy_skip": {"deepspeed": {}, "ft": True},
+    # a module an earlier Trainer cut into stages is not cut again (these two train a step first)
+    "hybrid_cut_twice": {"strategy": {"pipeline_parallel_size": 2}, "twice": True},
+    "ds_cut_twice": {"deepspeed": {}, "twice": True},
 }
 
 
@@ -62,15 +66,18 @@ def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": head, "lr": 0.1}, {"params": rest, "lr": 0.2}])
 
 
+def make_strategy(case: dict[str, Any]) -> Any:
+    if "deepspeed" in case:
+        return DeepSpeedPipelineStrategy(pipeline_parallel_size=2, **case["deepspeed"])
+    kwargs = dict(case["strategy"])
+    if "split" in kwargs:
+        kwargs["split"] = PipelineSplit(**kwargs["split"])
+    return HybridParallelStrategy(**kwargs)
+
+
 def attempt(case: dict[str, Any]) -> str:
     try:
-        if "deepspeed" in case:
-            strategy: Any = DeepSpeedPipelineStrategy(pipeline_parallel_size=2, **case["deepspeed"])
-        else:
-            kwargs = dict(case["strategy"])
-            if "split" in kwargs:
-                kwargs["split"] = PipelineSplit(**kwargs["split"])
-            strategy = HybridParallelStrategy(**kwargs)
+        strategy = make_strategy(case)
         if case.get("module") == "no_contract":
             model: L.LightningModule = NoContract()
         else:
@@ -86,19 +93,34 @@ def attempt(case: dict[str, Any]) -> str:
             )
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
+        callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
+        if case.get("ft"):  # its default nan_policy, checkpoints under this job's own folder
+            callbacks.append(FaultTolerantCheckpoint(dirpath=str(Path(OUT) / "ft-ckpt")))
+        plugins = [AdaptiveLossScalingPrecision()] if case.get("plugin") else []
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0,
-            callbacks=[AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else [],
-            plugins=[AdaptiveLossScalingPrecision()] if case.get("plugin") else [], **case.get("trainer", {}),
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+            enable_checkpointing=bool(case.get("ft")), enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, limit_val_batches=0, callbacks=callbacks, plugins=plugins,
+            **case.get("trainer", {}),
         )  # fmt: skip
         trainer.fit(model, datamodule=ExactDataModule(block_size=16, global_batch=8))
+        if case.get("twice"):  # a new Trainer (and strategy) on the module the first one cut
+            again = L.Trainer(
+                accelerator="cpu", devices=2, strategy=make_strategy(case), logger=False, enable_progress_bar=False,
+                enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=1,
+            )  # fmt: skip
+            again.validate(model, datamodule=ExactDataModule(block_size=16, global_batch=8), verbose=False)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
+OUT = "."  # this job's folder (set in main)
+
+
 def main(cfg: dict[str, Any]) -> None:
+    global OUT
+    OUT = cfg["out"]
     write_report(cfg["out"], {"rank": rank(), "errors": {name: attempt(case) for name, case in CASES.items()}})
 
 

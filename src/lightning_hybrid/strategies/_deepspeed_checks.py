@@ -5,7 +5,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_hybrid.strategies._deepspeed_config import precision_kind
@@ -79,10 +78,11 @@ def refuse_unsupported(
         raise ValueError(f"DeepSpeed clips gradients by their norm only, not by {trainer.gradient_clip_algorithm!r}.")
     for cb in trainer.callbacks:
         if isinstance(cb, FaultTolerantCheckpoint) and cb.nan_policy == "skip":
-            rank_zero_warn(
-                f"{type(cb).__name__}(nan_policy='skip') cannot skip a step under DeepSpeedPipelineStrategy: the"
-                " engine steps inside training_step. A non-finite loss is still detected; use"
-                " nan_policy='rollback' to return to the last checkpoint."
+            raise ValueError(
+                "FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under"
+                " DeepSpeedPipelineStrategy: the engine steps inside training_step, before any callback sees the"
+                " loss. Pass nan_policy='rollback' (back to the last checkpoint on a non-finite loss), 'raise' or"
+                " None."
             )
 
 

@@ -90,6 +90,12 @@ def merge_config(user: dict[str, Any], want: EngineRequest) -> dict[str, Any]:
     if not isinstance(zero, dict):
         raise ValueError(f"zero_optimization in the DeepSpeed config must be an object, got {zero!r}.")
     own("stage", want.zero_stage, "the strategy's zero_stage", zero, "zero_optimization.stage")
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key):
+            conflicts.append(
+                f"zero_optimization.{key}: not supported by DeepSpeedPipelineStrategy (its checkpoints read the"
+                " optimizer state where DeepSpeed keeps it on the device); remove it"
+            )
     if want.zero_stage >= 1:
         # DeepSpeed's default bucket is 5e8 elements, allocated every step under a pipeline
         zero.setdefault("reduce_bucket_size", 5_000_000)

@@ -134,14 +134,16 @@ def optimizer_state(optimizer: Optimizer, held: list[Slot]) -> dict[str, Any]:
 
 def templates(
     module: nn.Module, held: list[Slot], optimizer: Optimizer | None, saved: dict[str, Any], prefix: str
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What this rank reads: ``(model, optimizer)`` dicts shaped as the checkpoint stores them.
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """What this rank reads: ``(model, optimizer)`` dicts shaped as the checkpoint stores them, and the names
+    whose stored optimizer state this optimizer has no place for (the caller refuses those).
 
     Trainable parameters read whole into fp32 buffers (every rank needs the whole low-precision parameter),
     except where the optimizer steps the parameter itself, which reads in place. The optimizer's state is
     created first (as its first step would), so every stored key reads in place into a tensor of the right
     kind, device and dtype: per-element state into this rank's range of what DeepSpeed steps, scalars (Adam's
-    step) whole. Keys the optimizer does not have are not read."""
+    step) whole. State the checkpoint does not hold for a parameter is dropped again, as a fresh optimizer
+    has none."""
     model: dict[str, Any] = {}
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     whole = {s.name for s in held if s.whole}
@@ -152,28 +154,49 @@ def templates(
             model[name] = value  # read in place: ZeRO-0 fp32 parameters, buffers, frozen parameters
     optim: dict[str, Any] = {}
     if optimizer is None:
-        return model, optim
+        return model, optim, []
+    fresh = {id(s.owner): s.owner for s in held if not optimizer.state.get(s.owner)}
     init_optimizer_state(optimizer)
+    stored = _index(saved, prefix)
+    read, unread = set(), []
     for slot in held:
         state = optimizer.state.get(slot.owner, {})
-        for key, meta in saved.items():
-            head = f"{prefix}.state.{slot.name}."
-            sub = key[len(head) :]
-            if not key.startswith(head) or "." in sub or sub not in state:
+        entries = stored.get(("state", slot.name), [])
+        for sub, meta in entries:
+            value = state.get(sub)
+            key = f"state.{slot.name}.{sub}"
+            if sub not in state:
                 continue
-            value = state[sub]
             if not isinstance(value, Tensor) or not isinstance(meta, TensorStorageMetadata):
-                optim[f"state.{slot.name}.{sub}"] = None  # a plain value, assigned below
+                optim[key] = None  # a plain value, assigned after the read
             elif value.shape == slot.owner.shape and tuple(meta.size) == tuple(slot.param.shape):
-                optim[f"state.{slot.name}.{sub}"] = slot.piece(value)  # per element: into this rank's range
+                optim[key] = slot.piece(value)  # per element: into this rank's range
             elif tuple(meta.size) == tuple(value.shape):
-                optim[f"state.{slot.name}.{sub}"] = value  # a scalar (shared by a flat partition): in place
-        head = f"{prefix}.param_groups.{slot.name}."
-        for key, meta in saved.items():
-            sub = key[len(head) :]
-            if key.startswith(head) and isinstance(meta, BytesStorageMetadata) and sub in slot.group:
+                optim[key] = value  # a scalar (shared by a flat partition): in place
+            else:
+                continue
+            read.add(id(slot.owner))
+        if entries and not any(k.startswith(f"state.{slot.name}.") for k in optim):
+            unread.append(slot.name)
+        for sub, meta in stored.get(("param_groups", slot.name), []):
+            if isinstance(meta, BytesStorageMetadata) and sub in slot.group and sub != "params":
                 optim[f"param_groups.{slot.name}.{sub}"] = None
-    return model, optim
+    for key, owner in fresh.items():
+        if key not in read:
+            optimizer.state.pop(owner, None)  # nothing stored for it: as fresh as before
+    return model, optim, unread
+
+
+def _index(saved: dict[str, Any], prefix: str) -> dict[tuple[str, str], list[tuple[str, Any]]]:
+    """``(section, fqn) -> [(key, storage metadata)]`` of the checkpoint's flat optimizer entries."""
+    out: dict[tuple[str, str], list[tuple[str, Any]]] = {}
+    head = prefix + "."
+    for key, meta in saved.items():
+        if key.startswith(head):
+            section, _, rest = key[len(head) :].partition(".")
+            fqn, _, sub = rest.rpartition(".")
+            out.setdefault((section, fqn), []).append((sub, meta))
+    return out
 
 
 def apply_loaded(
@@ -193,16 +216,17 @@ def apply_loaded(
                 slot.owner.view(-1).narrow(0, slot.hp_start, slot.numel).copy_(flat)
     if optimizer is None:
         return
-    for slot in held:
-        state = optimizer.state.get(slot.owner, {})
-        for section, target in (("state", state), ("param_groups", slot.group)):
-            head = f"{section}.{slot.name}."
-            for key, value in optim.items():
-                sub = key[len(head) :]
-                if not key.startswith(head) or "." in sub or sub == "params" or sub not in target:
-                    continue
-                if not isinstance(value, (Tensor, FlatShard)):  # plain values; tensors were read in place
-                    target[sub] = value
+    for key, value in optim.items():
+        if isinstance(value, (Tensor, FlatShard)):
+            continue  # read in place
+        section, _, rest = key.partition(".")
+        fqn, _, sub = rest.rpartition(".")
+        slot = by_name.get(fqn)
+        if slot is None:
+            continue
+        target = optimizer.state.get(slot.owner, {}) if section == "state" else slot.group
+        if sub in target and sub != "params":  # only what the optimizer already has
+            target[sub] = value
 
 
 class EnginePrecision(Precision):

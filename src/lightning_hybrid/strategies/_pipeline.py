@@ -7,6 +7,7 @@ the layout they were written with.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,24 @@ def check_pipeline_contract(module: nn.Module) -> None:
         )
 
 
+_CUT: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules whose `layers` hold only some stages' blocks
+
+
+def refuse_cut_module(module: nn.Module) -> None:
+    """A module an earlier Trainer cut into this rank's stages cannot be cut again (a second cut would keep
+    a stage of the stage, silently); every rank sees the same."""
+    if module in _CUT:
+        raise RuntimeError(
+            f"This {type(module).__name__} was cut into pipeline stages by an earlier Trainer (fit, validate or test"
+            " with a pipeline): its `layers` hold only this rank's blocks. Build a fresh module for a new Trainer,"
+            " or run fit, validate and test on the same Trainer."
+        )
+
+
+def mark_cut(module: nn.Module) -> None:
+    _CUT.add(module)
+
+
 def stage_ranges(module: nn.Module, layout: Layout, split: PipelineSplit | None) -> list[range]:
     """The blocks of ``module.layers`` each stage runs (balanced by parameter count unless ``split`` says)."""
     costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for block in module.layers.children()]
@@ -91,6 +110,7 @@ def split_module(
 
     Returns the local stage indices, their stage modules, and the block ranges of all stages.
     """
+    refuse_cut_module(module)
     items = list(module.layers.named_children())
     ranges = stage_ranges(module, layout, split)
     stage_ids = stage_ids_on_rank(pp_rank, layout)
@@ -101,6 +121,7 @@ def split_module(
         kept.update({items[i][0]: items[i][1] for i in ranges[sid]})
     # parameter names stay `layers.<original index>.*`, as in the unsplit module
     module.layers = nn.ModuleDict(sorted(kept.items(), key=lambda kv: [n for n, _ in items].index(kv[0])))
+    mark_cut(module)
     return stage_ids, stages, ranges
 
 

@@ -1,7 +1,7 @@
 """DeepSpeedPipelineStrategy: DeepSpeed's pipeline engine behind the pack's pipeline model contract.
 
 The LightningModule is the one HybridParallelStrategy takes (blocks in ``self.layers``, ``pipeline_loss``,
-optional ``pipeline_batch``); switching engines is one line of YAML. ``setup`` builds a
+optional ``pipeline_batch``); switching engines is switching the strategy block of the YAML. ``setup`` builds a
 ``deepspeed.pipe.PipelineModule`` from this rank's blocks, merges the DeepSpeed config with what Lightning
 owns (``_deepspeed_config``) and initialises the ``PipelineEngine``; each training batch is one
 ``train_batch`` (forward, backward, gradient reduction, clipping and the optimizer step of DeepSpeed's
@@ -41,6 +41,7 @@ from lightning_hybrid.strategies._deepspeed_config import (
     merge_config,
 )
 from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.strategies._pipeline import mark_cut, refuse_cut_module
 from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
 
 __all__ = ["DeepSpeedPipelineStrategy"]
@@ -225,11 +226,16 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         # every check reads what every rank has: each fails on all ranks with the same message, none waits
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) is not applied inside DeepSpeed's pipeline engine; remove it."
+            )
         self._check_trainer(trainer, module)
         if self._prepared_module is module and fitting and not self._stepping:
             raise RuntimeError(
-                "DeepSpeedPipelineStrategy built its engine for validate/test, without an optimizer; fit with a new"
-                " Trainer (and strategy), or call fit before validate/test."
+                "DeepSpeedPipelineStrategy built its engine for validate/test, without an optimizer, and cut the"
+                " module into this rank's stage: fit a freshly built module with a new Trainer, or call fit before"
+                " validate/test on one Trainer."
             )
         if self._prepared_module is not module:
             pipe = self._build_pipeline(module)
@@ -260,6 +266,7 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
         from deepspeed.pipe import PipelineModule
 
+        refuse_cut_module(module)
         # pretrained weights are planned against the whole module (every key must fit), read after the cut
         device = self.root_device
         pretrained = agreed_plan(self._init_from, module, device) if self._init_from is not None else None
@@ -283,6 +290,7 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             raise ValueError(problem)
         # the other stages' blocks go; names stay `layers.<original name>.*`, as in the unsplit module
         module.layers = nn.ModuleDict(items[start:stop])
+        mark_cut(module)
         pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
         for p in pipe.parameters():
             # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say
@@ -370,8 +378,9 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         low, high = agree([-size, size], op="max", device=self.root_device)
         if -low != high:
             raise ValueError(
-                f"the ranks got batches of {-low:.0f} to {high:.0f} samples; DeepSpeed's stages agree on activation"
-                " shapes once, so every replica needs the same batch size (use the same DataLoader and sampler)."
+                f"the ranks got batches of {-low:.0f} to {high:.0f} samples; the data-parallel mean weighs every"
+                " replica's batch equally, so every rank needs the same batch size (drop_last=True, or a batch size"
+                " that divides the data on every rank, validation included)."
             )
         if size % self._m:
             raise ValueError(
@@ -465,11 +474,16 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         saved = read_sharded_index(path).state_dict_metadata
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizer = ds_state.client_optimizer(self.engine) if fitting else None
-        model, optim = ds_state.templates(module, self._slots, optimizer, saved, "optimizer_0")
+        model, optim, unread = ds_state.templates(module, self._slots, optimizer, saved, "optimizer_0")
         missing = [k for k in model if f"state_dict.{k}" not in saved]
-        problem = (
-            f"The checkpoint at {path} has no values for {missing[:5]}" if missing and module.strict_loading else None
-        )
+        problem = None
+        if missing and module.strict_loading:
+            problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+        elif unread:
+            problem = (
+                f"The checkpoint at {path} holds optimizer state for {unread[:3]} that this optimizer"
+                f" ({type(optimizer).__name__}) has no place for; resume with the optimizer that wrote it"
+            )
         problem = agreed_problem(problem, device=self.root_device)
         if problem:
             raise KeyError(problem)
@@ -501,3 +515,4 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        self.cluster_environment.teardown()
