@@ -33,6 +33,7 @@ EXPECTED = {
     ),
     "ds_batch_not_divisible": "a batch of 8 samples cannot be cut into num_microbatches=3 equal micro-batches",
     "ds_meta_device": "layers.0.token.weight is on the meta device: DeepSpeedPipelineStrategy builds its stages",
+    "ds_predict": "DeepSpeedPipelineStrategy does not predict (DeepSpeed's eval_batch hands back only the last",
     "ds_nan_policy_skip": "FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under",
     "hybrid_cut_twice": "was cut into pipeline stages by an earlier Trainer (fit, validate or test with a pipeline)",
     "ds_cut_twice": "was cut into pipeline stages by an earlier Trainer (fit, validate or test with a pipeline)",

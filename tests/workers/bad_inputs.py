@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, write_report
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
@@ -52,6 +53,7 @@ CASES: dict[str, dict[str, Any]] = {
     "ds_batch_not_divisible": {"deepspeed": {"num_microbatches": 3}},
     "ds_meta_device": {"deepspeed": {}, "meta": True},
     "ds_nan_policy_skip": {"deepspeed": {}, "ft": True},
+    "ds_predict": {"deepspeed": {}, "predict": True},
     # a module an earlier Trainer cut into stages is not cut again (these two train a step first)
     "hybrid_cut_twice": {"strategy": {"pipeline_parallel_size": 2}, "twice": True},
     "ds_cut_twice": {"deepspeed": {}, "twice": True},
@@ -103,7 +105,12 @@ def attempt(case: dict[str, Any]) -> str:
             use_distributed_sampler=False, limit_val_batches=0, callbacks=callbacks, plugins=plugins,
             **case.get("trainer", {}),
         )  # fmt: skip
-        trainer.fit(model, datamodule=ExactDataModule(block_size=16, global_batch=8))
+        data = ExactDataModule(block_size=16, global_batch=8)
+        if case.get("predict"):
+            tokens = torch.zeros(8, 16, dtype=torch.long)
+            trainer.predict(model, dataloaders=DataLoader(TensorDataset(tokens, tokens), batch_size=8))
+        else:
+            trainer.fit(model, datamodule=data)
         if case.get("twice"):  # a new Trainer (and strategy) on the module the first one cut
             again = L.Trainer(
                 accelerator="cpu", devices=2, strategy=make_strategy(case), logger=False, enable_progress_bar=False,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,12 +28,16 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._torch_compat import init_optimizer_state
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, view_boxes
+from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
+from lightning_hybrid.checkpoint._sharded import read_sharded, read_sharded_index
 from lightning_hybrid.strategies._deepspeed_config import precision_kind
 
 __all__ = [
     "EnginePrecision",
+    "load_sharded",
     "Slot",
     "apply_loaded",
     "client_optimizer",
@@ -185,6 +190,45 @@ def templates(
         if key not in read:
             optimizer.state.pop(owner, None)  # nothing stored for it: as fresh as before
     return model, optim, unread
+
+
+def load_sharded(
+    path: Path,
+    module: nn.Module,
+    held: list[Slot],
+    optimizer: Optimizer | None,
+    *,
+    strict: bool,
+    device: torch.device,
+) -> None:
+    """Read a sharded checkpoint of either engine into this rank's stage and DeepSpeed's partitions (every rank
+    together; a problem on any rank fails on all)."""
+    problem = None if (path / DCP_METADATA).is_file() else (
+        f"{path} is not a sharded checkpoint of this pack (no {DCP_METADATA}); pass the folder that"
+        " trainer.save_checkpoint or FaultTolerantCheckpoint wrote."
+    )  # fmt: skip
+    problem = agreed_problem(problem, device=device)
+    if problem:
+        raise FileNotFoundError(problem)
+    saved = read_sharded_index(path).state_dict_metadata
+    model, optim, unread = templates(module, held, optimizer, saved, "optimizer_0")
+    missing = [k for k in model if f"state_dict.{k}" not in saved]
+    problem = None
+    if missing and strict:
+        problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+    elif unread:
+        problem = (
+            f"The checkpoint at {path} holds optimizer state for {unread[:3]} that this optimizer"
+            f" ({type(optimizer).__name__}) has no place for; resume with the optimizer that wrote it"
+        )
+    problem = agreed_problem(problem, device=device)
+    if problem:
+        raise KeyError(problem)
+    to_load: dict[str, Any] = {"state_dict": {k: v for k, v in model.items() if k not in missing}}
+    if optim:
+        to_load["optimizer_0"] = optim
+    read_sharded(path, to_load)
+    apply_loaded(module, held, to_load["state_dict"], optimizer, to_load.get("optimizer_0", {}))
 
 
 def _index(saved: dict[str, Any], prefix: str) -> dict[tuple[str, str], list[tuple[str, Any]]]:

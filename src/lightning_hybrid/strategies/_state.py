@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._protocols import ShardedCheckpointing
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import (
     LAYOUT_KEY,
@@ -72,18 +73,18 @@ def optimizer_state(
 
 
 class ShardedCheckpointIO:
-    """``save_checkpoint`` of a strategy whose checkpoints are the pack's sharded folders: it says its
-    ``checkpoint_layout()`` and takes Strategy's ``broadcast`` / ``barrier`` / ``is_global_zero``."""
-
-    def checkpoint_layout(self) -> dict[str, Any]:
-        raise NotImplementedError
+    """``save_checkpoint`` for a Strategy whose checkpoints are the pack's sharded folders: mixed into a
+    Strategy that implements :class:`ShardedCheckpointing` (it says its ``checkpoint_layout()``)."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (it writes torch DCP).")
-        assert isinstance(self, Strategy)
+        if not (isinstance(self, Strategy) and isinstance(self, ShardedCheckpointing)):
+            raise TypeError(
+                f"{type(self).__name__} mixes in ShardedCheckpointIO but is no Strategy with checkpoint_layout()"
+            )
         save_sharded_checkpoint(self, checkpoint, filepath, self.checkpoint_layout())
 
 

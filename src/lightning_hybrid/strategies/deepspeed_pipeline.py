@@ -27,21 +27,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid._agree import agree, agreed_problem
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._skip import skip_schedulers_when
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta
 from lightning_hybrid.strategies import _deepspeed_state as ds_state
-from lightning_hybrid.strategies._deepspeed_batch import batch_size, shapes, split, unpacking
+from lightning_hybrid.strategies._deepspeed_batch import loader_micro_batch, micro_batches, shapes
+from lightning_hybrid.strategies._deepspeed_build import build_pipeline, start_engine
 from lightning_hybrid.strategies._deepspeed_checks import optimizer_problem, refuse_unsupported
 from lightning_hybrid.strategies._deepspeed_config import (
     EngineRequest,
     check_arguments,
     load_config,
-    merge_config,
+    resolve_sizes,
 )
-from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
-from lightning_hybrid.strategies._pipeline import mark_cut, refuse_cut_module
+from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
 
 __all__ = ["DeepSpeedPipelineStrategy"]
@@ -191,21 +190,13 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group (gloo on CPU, NCCL on GPU)
-        world = self.world_size
-        pp = self._pipeline_request
-        pp = self.num_nodes if pp == "auto" else pp  # "auto": one stage per node
-        problem = None
-        if world % pp:
-            problem = f"pipeline_parallel_size={pp} does not divide the world size {world}"
-        elif self._data_parallel_request is not None and self._data_parallel_request * pp != world:
-            problem = (
-                f"pipeline_parallel_size={pp} x data_parallel_size={self._data_parallel_request} !="
-                f" world size {world}; leave data_parallel_size unset to take the rest of the world"
-            )
-        if problem:
-            raise ValueError(f"DeepSpeedPipelineStrategy: {problem}.")
-        self._pp, self._dp = pp, world // pp
-        self._m = self._num_microbatches_request or 2 * pp
+        self._pp, self._dp, self._m = resolve_sizes(
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            pipeline_parallel_size=self._pipeline_request,
+            data_parallel_size=self._data_parallel_request,
+            num_microbatches=self._num_microbatches_request,
+        )
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))  # PipelineModule and the engine read it
         import deepspeed
 
@@ -225,6 +216,12 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            raise ValueError(
+                "DeepSpeedPipelineStrategy does not predict (DeepSpeed's eval_batch hands back only the last stage's"
+                " outputs, one micro-batch list at a time); load the checkpoint with consolidate_checkpoint into"
+                " the unsplit module, or predict with HybridParallelStrategy."
+            )
         # every check reads what every rank has: each fails on all ranks with the same message, none waits
         if self._layer_sync is not None:
             raise ValueError(
@@ -264,47 +261,17 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         )
 
     def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
-        from deepspeed.pipe import PipelineModule
-
-        refuse_cut_module(module)
-        # pretrained weights are planned against the whole module (every key must fit), read after the cut
-        device = self.root_device
-        pretrained = agreed_plan(self._init_from, module, device) if self._init_from is not None else None
-        items = list(module.layers.named_children())
-        pipe = PipelineModule(
-            layers=[unpacking(block) for _, block in items],
+        return build_pipeline(
+            module,
             num_stages=self._pp,
-            loss_fn=module.pipeline_loss,
+            stage=self.pipeline_rank,
             partition_method=self._partition_method,
             activation_checkpoint_interval=self._activation_checkpoint_interval,
+            init_from=self._init_from,
+            device=self.root_device,
         )
-        start, stop = pipe._local_start, pipe._local_stop  # this stage's blocks
-        problem = None
-        if start >= stop:
-            problem = (
-                f"stage {self.pipeline_rank} of {self._pp} got no block of self.layers ({len(items)} blocks): use"
-                " fewer stages or partition_method='uniform'"
-            )
-        problem = agreed_problem(problem, device=self.root_device)  # every rank fails, none waits
-        if problem:
-            raise ValueError(problem)
-        # the other stages' blocks go; names stay `layers.<original name>.*`, as in the unsplit module
-        module.layers = nn.ModuleDict(items[start:stop])
-        mark_cut(module)
-        pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
-        for p in pipe.parameters():
-            # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say
-            # they are split across its "model parallel" (here: pipeline) group; then the norm is global
-            p.model_parallel = True
-        module.to(device)
-        if pretrained is not None:  # this stage's tensors only, before DeepSpeed copies them into its partitions
-            read = agreed_load(module, *pretrained, device)
-            rank_zero_info(f"init_from: rank 0 read {read / 2**20:.1f} MiB of {pretrained[1].weights.path}")
-        return pipe
 
     def _initialize(self, trainer: pl.Trainer, module: pl.LightningModule, pipe: nn.Module, fitting: bool) -> Any:
-        import deepspeed
-
         optimizer = None
         if fitting:
             self.setup_optimizers(trainer)
@@ -315,24 +282,25 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             optimizer = self.optimizers[0] if self.optimizers else None
             if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None: the config's
                 optimizer = None
-        self._check_optimizer(optimizer)
-        user = dict(self._user_config)
-        if not fitting:  # no optimizer or scheduler to build for validate / test
-            user.pop("optimizer", None)
-            user.pop("scheduler", None)
-        config = merge_config(
-            user,
-            EngineRequest(
-                micro_batch_size=self._micro_batch_size(trainer),
-                num_microbatches=self._m,
-                data_parallel_size=self._dp,
-                zero_stage=self._zero_stage,
-                gradient_clip_val=trainer.gradient_clip_val,
-                precision=self.precision_plugin.precision,
-                client_optimizer=optimizer is not None or not fitting,
-            ),
+        precision = self.precision_plugin.precision
+        problem = optimizer_problem(
+            optimizer, zero_stage=self._zero_stage, precision=precision, stage=self.pipeline_rank
         )
-        engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
+        problem = agreed_problem(problem, device=self.root_device)  # a stage's own groups: every rank fails
+        if problem:
+            raise ValueError(problem)
+        request = EngineRequest(
+            micro_batch_size=loader_micro_batch(
+                trainer, self._user_config.get("train_micro_batch_size_per_gpu"), self._m
+            ),
+            num_microbatches=self._m,
+            data_parallel_size=self._dp,
+            zero_stage=self._zero_stage,
+            gradient_clip_val=trainer.gradient_clip_val,
+            precision=precision,
+            client_optimizer=optimizer is not None or not fitting,
+        )
+        engine = start_engine(pipe, optimizer, self._user_config, request, fitting=fitting)
         if fitting:
             if optimizer is None:  # built by DeepSpeed from the config: Lightning checkpoints it as its own
                 self.optimizers = [ds_state.client_optimizer(engine)]
@@ -340,54 +308,11 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             skip_schedulers_when(trainer, lambda: not engine.was_step_applied())
         return engine
 
-    def _check_optimizer(self, optimizer: Union[Optimizer, None]) -> None:
-        problem = optimizer_problem(
-            optimizer, zero_stage=self._zero_stage, precision=self.precision_plugin.precision, stage=self.pipeline_rank
-        )
-        problem = agreed_problem(problem, device=self.root_device)  # a stage's own groups: every rank fails
-        if problem:
-            raise ValueError(problem)
-
-    def _micro_batch_size(self, trainer: pl.Trainer) -> int:
-        """The DataLoader's batch size / num_microbatches (checked again on every batch)."""
-        size = self._user_config.get("train_micro_batch_size_per_gpu")
-        source = trainer.fit_loop._data_source  # what Lightning itself reads the batch size from for DeepSpeed
-        try:
-            loader = source.dataloader() if source.is_defined() else None
-            batch = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-        except Exception:  # a loader that cannot be built this early: the config says
-            batch = None
-        if batch is not None:
-            if batch % self._m:
-                raise ValueError(
-                    f"the batch size {batch} is not divisible by num_microbatches={self._m}; choose a batch size"
-                    " that is a multiple of it."
-                )
-            size = batch // self._m
-        return int(size or 1)
-
     # ----------------------------------------------------------------------------------------- training
 
     def _micro_batches(self, batch: Any, mode: str) -> list[tuple[Any, Any]]:
-        module = self.lightning_module
-        assert module is not None
-        fn = getattr(module, "pipeline_batch", None)  # optional in the contract
-        inputs, target = fn(batch) if callable(fn) else (batch[0], batch[1])
-        size = batch_size(inputs)
-        # the stages exchange activation shapes only when they change: every rank must see the same sizes
-        low, high = agree([-size, size], op="max", device=self.root_device)
-        if -low != high:
-            raise ValueError(
-                f"the ranks got batches of {-low:.0f} to {high:.0f} samples; the data-parallel mean weighs every"
-                " replica's batch equally, so every rank needs the same batch size (drop_last=True, or a batch size"
-                " that divides the data on every rank, validation included)."
-            )
-        if size % self._m:
-            raise ValueError(
-                f"a batch of {size} samples cannot be cut into num_microbatches={self._m} equal micro-batches; use a"
-                " batch size divisible by it (and drop_last=True if the last batch is shorter)."
-            )
-        chunks = list(zip(split(inputs, self._m), split(target, self._m)))
+        assert self.lightning_module is not None
+        chunks = micro_batches(self.lightning_module, batch, self._m, self.root_device)
         key = (mode, shapes(chunks[0]))
         if key != self._shape_key:  # new shapes, or train <-> eval: the stages agree on new buffers
             self.engine.reset_activation_shape()
@@ -436,13 +361,6 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval("test_loss", args[0])
 
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "DeepSpeedPipelineStrategy does not predict (DeepSpeed's eval_batch returns only the last micro-batch's"
-            " outputs); load the checkpoint with consolidate_checkpoint into the unsplit module to predict."
-        )
-
     # -------------------------------------------------------------------------------------- checkpoints
 
     @override
@@ -464,34 +382,11 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         path = checkpoint_folder(self, checkpoint_path)
         module = self.lightning_module
         assert module is not None
-        problem = None if (path / DCP_METADATA).is_file() else (
-            f"{path} is not a sharded checkpoint of this pack (no {DCP_METADATA}); pass the folder that"
-            " trainer.save_checkpoint or FaultTolerantCheckpoint wrote."
-        )  # fmt: skip
-        problem = agreed_problem(problem, device=self.root_device)
-        if problem:
-            raise FileNotFoundError(problem)
-        saved = read_sharded_index(path).state_dict_metadata
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizer = ds_state.client_optimizer(self.engine) if fitting else None
-        model, optim, unread = ds_state.templates(module, self._slots, optimizer, saved, "optimizer_0")
-        missing = [k for k in model if f"state_dict.{k}" not in saved]
-        problem = None
-        if missing and module.strict_loading:
-            problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
-        elif unread:
-            problem = (
-                f"The checkpoint at {path} holds optimizer state for {unread[:3]} that this optimizer"
-                f" ({type(optimizer).__name__}) has no place for; resume with the optimizer that wrote it"
-            )
-        problem = agreed_problem(problem, device=self.root_device)
-        if problem:
-            raise KeyError(problem)
-        to_load: dict[str, Any] = {"state_dict": {k: v for k, v in model.items() if k not in missing}}
-        if optim:
-            to_load["optimizer_0"] = optim
-        read_sharded(path, to_load)
-        ds_state.apply_loaded(module, self._slots, to_load["state_dict"], optimizer, to_load.get("optimizer_0", {}))
+        ds_state.load_sharded(
+            path, module, self._slots, optimizer, strict=module.strict_loading, device=self.root_device
+        )
         meta = read_meta(path)
         written = meta.get(LAYOUT_KEY)
         if written:

@@ -1,0 +1,83 @@
+"""DeepSpeed's PipelineModule from the pipeline contract's ``self.layers`` (this rank keeps its stage), and
+the engine around it."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid.strategies._deepspeed_batch import unpacking
+from lightning_hybrid.strategies._deepspeed_config import EngineRequest, merge_config
+from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.strategies._pipeline import mark_cut, refuse_cut_module
+
+__all__ = ["build_pipeline", "start_engine"]
+
+
+def build_pipeline(
+    module: nn.Module,
+    *,
+    num_stages: int,
+    stage: int,
+    partition_method: str,
+    activation_checkpoint_interval: int,
+    init_from: Union[PretrainedWeights, None],
+    device: torch.device,
+) -> nn.Module:
+    """A ``PipelineModule`` over ``module.layers`` (every rank together: it builds process groups). Afterwards
+    ``module.layers`` holds only this rank's blocks, under their original names, on ``device``, with the
+    pretrained weights of ``init_from`` if given."""
+    from deepspeed.pipe import PipelineModule
+
+    refuse_cut_module(module)
+    # pretrained weights are planned against the whole module (every key must fit), read after the cut
+    pretrained = agreed_plan(init_from, module, device) if init_from is not None else None
+    items = list(module.layers.named_children())
+    pipe = PipelineModule(
+        layers=[unpacking(block) for _, block in items],
+        num_stages=num_stages,
+        loss_fn=module.pipeline_loss,
+        partition_method=partition_method,
+        activation_checkpoint_interval=activation_checkpoint_interval,
+    )
+    start, stop = pipe._local_start, pipe._local_stop  # this stage's blocks
+    problem = None
+    if start >= stop:
+        problem = (
+            f"stage {stage} of {num_stages} got no block of self.layers ({len(items)} blocks): use fewer stages or"
+            " partition_method='uniform'"
+        )
+    problem = agreed_problem(problem, device=device)  # every rank fails, none waits
+    if problem:
+        raise ValueError(problem)
+    # the other stages' blocks go; names stay `layers.<original name>.*`, as in the unsplit module
+    module.layers = nn.ModuleDict(items[start:stop])
+    mark_cut(module)
+    pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
+    for p in pipe.parameters():
+        # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say they
+        # are split across its "model parallel" (here: pipeline) group; then the norm is global
+        p.model_parallel = True
+    module.to(device)
+    if pretrained is not None:  # this stage's tensors only, before DeepSpeed copies them into its partitions
+        read = agreed_load(module, *pretrained, device)
+        rank_zero_info(f"init_from: rank 0 read {read / 2**20:.1f} MiB of {pretrained[1].weights.path}")
+    return pipe
+
+
+def start_engine(
+    pipe: nn.Module, optimizer: Any, user_config: dict[str, Any], request: EngineRequest, *, fitting: bool
+) -> Any:
+    """``deepspeed.initialize`` on the merged config (every rank together: it broadcasts and builds groups)."""
+    import deepspeed
+
+    user = dict(user_config)
+    if not fitting:  # no optimizer or scheduler to build for validate / test
+        user.pop("optimizer", None)
+        user.pop("scheduler", None)
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=merge_config(user, request))
+    return engine
