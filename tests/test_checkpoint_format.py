@@ -67,6 +67,25 @@ def _sharded_checkpoint(root: Path, step: int, state: dict | None = None) -> Ste
     return folder
 
 
+def test_init_from_a_pack_checkpoint_hashes_its_files_on_one_rank_only(tmp_path, monkeypatch):
+    """Every rank checks the files are there with their sizes; the SHA-256 of every file is read by one rank
+    (agreed_plan then agrees its verdict), not once per rank of a large job."""
+    from lightning_hybrid.checkpoint import _format
+    from lightning_hybrid.strategies._init_from import open_weights
+
+    folder = _sharded_checkpoint(tmp_path, 3).path
+    hashed: list[str] = []
+    real = _format.sha256_file
+    monkeypatch.setattr(_format, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    open_weights(folder, verify=False).index()
+    assert hashed == []
+    open_weights(folder, verify=True).index()
+    assert ".metadata" in hashed
+    (folder / "rank-00000.pt").write_bytes(b"x")  # a truncated file fails the size check without hashing
+    with pytest.raises(ValueError, match="bytes"):
+        open_weights(folder, verify=False)
+
+
 def _rewrite_manifest(folder: Path, **changes) -> None:
     body = json.loads((folder / "manifest.json").read_text())
     body.update(changes)
@@ -216,8 +235,11 @@ def test_unsafe_payloads_are_recognised_before_they_are_written():
     from lightning_hybrid.checkpoint._safe_load import unsafe_payload
 
     assert unsafe_payload({"a": torch.ones(3), "b": [1, 2.0, "x", None, (1, 2)], "c": OrderedDict(x=1)}) is None
-    assert "defaultdict" in unsafe_payload({"state": defaultdict(int)})
-    assert "Unsupported global" in unsafe_payload({"x": [_Marker(Path("/nonexistent"))]})
+    # a defaultdict cannot be allow-listed: the advice names the key and says to return a dict instead
+    message = unsafe_payload({"callbacks": {"Counter": {"counts": defaultdict(int)}}})
+    assert "callbacks.Counter.counts" in message and "dict(...)" in message and "add_safe_globals" not in message
+    message = unsafe_payload({"x": [_Marker(Path("/nonexistent"))]})
+    assert "Unsupported global" in message and "add_safe_globals" in message
 
 
 # ------------------------------------------------------------------------------------ the manifest

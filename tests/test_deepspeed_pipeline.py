@@ -110,6 +110,17 @@ def test_bf16_runs_deepspeeds_bf16_engine_and_resumes_bit_exactly(tmp_path):
                "out": str(tmp_path / f"{name}-out"), **extra}  # fmt: skip
         return launch("train_gpt.py", cfg, nproc=2).rank(0)["losses"], torch.load(tmp_path / f"{name}.pt")
 
+    # init_from: DeepSpeed builds its fp32 master copy from the bf16 parameters; the pretrained fp32 values
+    # must reach it unrounded (the checkpoint of step 0 holds the masters)
+    from workers.common import build_model
+
+    pretrained = tmp_path / "pretrained.pt"
+    torch.save(build_model({**base, "seed": 7}).state_dict(), pretrained)
+    _, start = run("init", 0, strategy=_ds(zero_stage=1, init_from=str(pretrained)))
+    want = torch.load(pretrained)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in want.values())  # not representable in bf16
+    assert all(torch.equal(start[k], want[k]) for k in want), "the fp32 masters were rounded to bf16"
+
     full, weights = run("full", 4)
     first, _ = run("first", 2)
     second, resumed = run("second", 4, resume=str(tmp_path / "first"), data={**base["data"], "skip": 2})
@@ -246,6 +257,11 @@ def test_config_takes_what_lightning_owns_and_shows_both_values_of_a_conflict(tm
         merge_config({}, _request(client_optimizer=False))
     with pytest.raises(ValueError, match="supports precision '32-true', '16-mixed'"):
         merge_config({}, _request(precision="64-true"))
+    # offload, under its current names and DeepSpeed's deprecated ones
+    for offload in ({"offload_optimizer": {"device": "cpu"}}, {"cpu_offload": True}, {"cpu_offload_params": True}):
+        with pytest.raises(ValueError, match=f"zero_optimization.{next(iter(offload))}: not supported"):
+            merge_config({"zero_optimization": offload}, _request())
+    assert merge_config({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, _request())
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"steps_per_print": 10}))

@@ -37,6 +37,9 @@ EXPECTED = {
     "ds_nan_policy_skip": "FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under",
     "hybrid_cut_twice": "was cut into pipeline stages by an earlier Trainer (fit, validate or test with a pipeline)",
     "ds_cut_twice": "was cut into pipeline stages by an earlier Trainer (fit, validate or test with a pipeline)",
+    # raised where the head lives (rank 1), agreed: rank 0 raises it too instead of waiting in a collective
+    "group_moved_on_one_stage": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
+    "zero3_skip_on_one_rank": "training_step returned no loss on some data-parallel replicas only",
 }
 
 
@@ -97,6 +100,18 @@ def test_partition_balances_by_cost_and_honours_explicit_splits():
     assert len(weighted[-1]) < len(plain[-1])
     with pytest.raises(ValueError, match="strictly increasing"):
         partition_layers([1.0] * 6, 2, PipelineSplit(split_points=[0]))
+
+
+@pytest.mark.unit
+def test_a_0_dim_tensor_is_one_box_of_no_dimensions():
+    """A 0-dim parameter (CLIP's logit_scale) is stored as DCP stores a 0-dim tensor, not as a [1] box whose
+    size mismatches on resume."""
+    from lightning_hybrid.checkpoint._flat_shards import view_boxes
+
+    assert flat_boxes((), 0, 1) == [([], [])]
+    assert flat_boxes((), 0, 0) == []
+    (offsets, box), *rest = view_boxes(torch.Size([]), 0, torch.tensor([2.5]))
+    assert not rest and offsets == () and box.shape == torch.Size([]) and float(box) == 2.5
 
 
 @pytest.mark.unit

@@ -88,6 +88,40 @@ def test_plan_names_every_missing_unexpected_and_misshapen_key(tmp_path):
 
 
 @pytest.mark.unit
+def test_plan_refuses_values_of_the_wrong_kind_and_ties_fed_two_different_values(tmp_path):
+    """Integers, booleans and float8 (which needs its scales) never load silently into float parameters; a tied
+    parameter whose names two keys feed takes one value or is refused (it would depend on the layout which key
+    wins)."""
+    tensors = {
+        "w": torch.zeros(3, dtype=torch.int64),
+        "b": torch.ones(3, dtype=torch.bool),
+        "s": torch.zeros(3).to(torch.float8_e4m3fn),
+        "h": torch.ones(3, dtype=torch.bfloat16),
+        "steps": torch.zeros((), dtype=torch.int32),
+        "embed": torch.ones(4, 2),
+        "head": torch.full((4, 2), 2.0),
+    }
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    weights = PretrainedWeights(tmp_path / "w.safetensors")
+    source = open_weights(weights.path)
+    expected = {k: tuple(v.shape) for k, v in tensors.items()}
+    dtypes = {k: torch.float32 for k in tensors} | {"steps": torch.int64}
+    with pytest.raises(ValueError) as info:
+        plan_pretrained(weights, source, expected, dtypes=dtypes, ties=[["embed", "head"]])
+    message = str(info.value)
+    assert "wrong dtype" in message and all(f"{k} torch." in message for k in ("w", "b", "s"))
+    assert "h torch." not in message and "steps torch." not in message  # bf16 -> fp32 and int32 -> int64 fit
+    assert "tied" in message and "embed <- embed / head <- head" in message
+    # the same values under both names (a checkpoint that stores a tied tensor twice) are fine
+    tensors["head"] = torch.ones(4, 2)
+    for k in ("w", "b", "s"):
+        tensors[k] = torch.zeros(3)
+    save_file(tensors, str(tmp_path / "v.safetensors"))
+    plan_pretrained(PretrainedWeights(tmp_path / "v.safetensors"), open_weights(tmp_path / "v.safetensors"),
+                    expected, dtypes=dtypes, ties=[["embed", "head"]])  # fmt: skip
+
+
+@pytest.mark.unit
 def test_every_source_reads_rows_without_the_rest(tmp_path):
     weights = {"a": torch.arange(24.0).reshape(6, 4), "b": torch.arange(3.0)}
     torch.save(weights, tmp_path / "w.pt")

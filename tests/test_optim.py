@@ -241,3 +241,43 @@ def test_layerwise_norms_are_whole_tensor_norms_over_real_shards(tmp_path):
         assert rep["fsdp"] < 1e-12, rep
         assert rep["adagrad"] < 1e-12, rep
         assert rep["flat_without_all_reduce"] > 1e-3, rep
+
+
+@pytest.mark.multiproc
+def test_lbfgs_evaluations_each_step_with_the_replicas_mean_gradient(tmp_path):
+    """LBFGS evaluates its closure several times per step: under ZeRO-0 at dp2 every evaluation's gradient is
+    the replicas' mean, as one process computes it on the whole batch (not only the first evaluation's)."""
+    from helpers import launch
+    from workers.common import ExactDataModule, build_model, global_batches
+
+    lbfgs = {"lr": 0.5, "max_iter": 4, "history_size": 3}
+    cfg = {
+        "model": {"optimizer": "sgd", "lr": 0.5, "n_layer": 2},
+        "data": {"global_batch": 8},
+        "steps": 2,
+        "torch_optimizer": "LBFGS",
+        "torch_optimizer_kwargs": lbfgs,
+        "strategy": {"name": "hybrid_class", "kwargs": {"data_parallel_size": 2, "zero_stage": 0}},
+        "devices": 2,
+        "weights": str(tmp_path / "weights.pt"),
+        "out": str(tmp_path / "job"),
+    }
+    launch("train_gpt.py", cfg, nproc=2, timeout=180)
+    # one process, plain torch: the same global batches, each step LBFGS with its own closure
+    model = build_model(cfg)
+    data = ExactDataModule(block_size=model.hparams.block_size, **cfg["data"])
+    optimizer = torch.optim.LBFGS(model.parameters(), **lbfgs)
+    batches = iter(global_batches(data.train_set, data.global_batch, data.seed))
+    for _ in range(cfg["steps"]):
+        x, y = next(batches)
+
+        def closure(x=x, y=y):
+            optimizer.zero_grad()
+            loss = model.pipeline_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    got = torch.load(tmp_path / "weights.pt")
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -19,10 +19,13 @@ if TYPE_CHECKING:
 __all__ = [
     "LastCheckpointLookup",
     "attach_device_mesh",
+    "averaging_callbacks",
     "dump_checkpoint",
+    "group_adding_callbacks",
     "hooks_before_optimizer_step",
     "init_processes",
     "restart_train_iterator",
+    "syncs_batchnorm",
     "train_dataloaders",
 ]
 
@@ -76,3 +79,25 @@ def hooks_before_optimizer_step(plugin: Precision, model: pl.LightningModule, op
     """What a precision plugin runs between the closure and ``optimizer.step()``: the
     ``on_before_optimizer_step`` hooks and gradient clipping (lightning 2.6.6: ``Precision._after_closure``)."""
     plugin._after_closure(model, optimizer)
+
+
+def averaging_callbacks(trainer: pl.Trainer) -> list[str]:
+    """Names of the callbacks that keep a whole copy of the unsplit module and pair its parameters with the
+    module's by position (``StochasticWeightAveraging`` deep-copies it in ``setup``, before any strategy cuts or
+    shards it)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return [type(c).__name__ for c in trainer.callbacks if isinstance(c, StochasticWeightAveraging)]  # type: ignore[attr-defined]
+
+
+def group_adding_callbacks(trainer: pl.Trainer) -> list[str]:
+    """Names of the callbacks that add param groups during training (``BaseFinetuning`` and its subclasses)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    return [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]  # type: ignore[attr-defined]
+
+
+def syncs_batchnorm(strategy: Any) -> bool:
+    """Whether the Trainer asked the strategy to convert BatchNorm layers (``Trainer(sync_batchnorm=True)``
+    sets ``Strategy._layer_sync``; lightning 2.6.6)."""
+    return getattr(strategy, "_layer_sync", None) is not None

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 __all__ = [
+    "ExactWindowMeans",
     "PipelineLossScaling",
     "ReportsGradientLayout",
     "ShardedCheckpointing",
@@ -59,7 +60,16 @@ class ReportsGradientLayout(Protocol):
 
 @runtime_checkable
 class TakesTensorPartition(Protocol):
-    """An optimizer whose update needs whole-tensor norms: a strategy that steps it on flat slices tells it
-    which model tensor each element belongs to (``lightning_hybrid.optim.TensorPartition``)."""
+    """An optimizer whose update needs whole-tensor norms: a strategy that steps it on pieces of tensors tells
+    it which model tensor each element belongs to (``lightning_hybrid.optim.TensorPartition``)."""
 
     def set_tensor_partition(self, partition: Any) -> None: ...
+
+
+@runtime_checkable
+class ExactWindowMeans(Protocol):
+    """A strategy whose optimizer step already sees the exact mean over the accumulation window's counted
+    elements, whatever the window's length (the module defines ``pipeline_loss_count``): nothing may rescale
+    a short window's gradient again."""
+
+    def exact_window_means(self) -> bool: ...

@@ -5,11 +5,24 @@ Each has a fallback, so a rename in a future release costs a detail, not a crash
 
 from __future__ import annotations
 
+import atexit
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["default_store", "init_optimizer_state", "mul_"]
+__all__ = [
+    "default_store",
+    "init_optimizer_state",
+    "mul_",
+    "queue_backward_callback",
+    "side_effect_free_stage",
+    "wait_for_gloo_at_exit",
+]
 
 
 def default_store() -> dist.Store | None:
@@ -57,3 +70,127 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward pass now running has finished (called from inside a backward hook;
+    torch 2.13: ``Variable._execution_engine.queue_callback``, what DDP and FSDP2 use for their final
+    reductions). Without it, raises: the caller then has no per-backward boundary and must say so."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        raise RuntimeError("this torch offers no autograd queue_callback; use reduce_gradients='once_per_step'")
+    queue(callback)
+
+
+def side_effect_free_stage(stage_class: type, begin: Callable[[], None], end: Callable[[], None]) -> type:
+    """A ``PipelineStage`` subclass whose shape inference leaves no trace.
+
+    torch 2.13's stages infer their input and output shapes at the first step by running the stage: forward on
+    a copy of the first micro-batch (first stage) or on uninitialised tensors (the others), then a backward
+    through the inputs that calls the loss function (``_forward_metadata_inference``,
+    ``_backward_metadata_inference``, then ``_post_metadata_inference_cleanup``; torch forks the RNG around
+    them itself). That forward updates BatchNorm's running statistics (with garbage on the later stages), and
+    the loss function sees a micro-batch that is not one. ``begin()`` runs before each inference call (it may
+    run several times), ``end()`` after the clean-up. Without those private methods (another torch), the
+    class is ``stage_class`` itself."""
+    names = ("_forward_metadata_inference", "_backward_metadata_inference", "_post_metadata_inference_cleanup")
+    if not all(callable(getattr(stage_class, n, None)) for n in names):
+        return stage_class
+    forward, backward, cleanup = (getattr(stage_class, n) for n in names)
+
+    def inferring(inner: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            begin()
+            return inner(self, *args, **kwargs)
+
+        return method
+
+    def cleaned(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return cleanup(self, *args, **kwargs)
+        finally:
+            end()
+
+    return type(
+        "SideEffectFreeStage", (stage_class,), dict(zip(names, (inferring(forward), inferring(backward), cleaned)))
+    )
+
+
+# ------------------------------------------------------------------------------------------ a clean exit
+
+_GLOO_WORKER = "pt_gloo_runloop"  # torch 2.13: the name ProcessGroupGloo gives its worker threads
+_exit_wait_installed = False
+
+
+def wait_for_gloo_at_exit() -> None:
+    """Before the interpreter finalises, let gloo's worker threads finish with Python (registered once).
+
+    A finished job could abort at exit ("terminate called without an active exception", SIGABRT, so torchrun
+    and Slurm report a failure and a requeue policy restarts it): a ProcessGroupGloo worker drops its last
+    reference to a finished collective after ``wait()`` returned, which decrefs the Python objects of tensors
+    Python had already dropped and so needs the GIL. When the main thread reaches ``Py_FinalizeEx`` first, the
+    worker gets the GIL during finalisation, CPython 3.11 ends it with ``pthread_exit`` and the unwind through
+    a noexcept destructor calls ``std::terminate`` (pytorch/pytorch#38228). ``destroy_process_group`` does not
+    help: gloo's ``shutdown`` does nothing and the process group lives until its last reference dies, during
+    finalisation. The handler runs before that, in ``atexit`` (after every handler registered later, so after
+    any collective they issue): it releases the GIL until every gloo worker is parked in its idle wait (an
+    untimed condition-variable wait, read from ``/proc/self/task/<tid>/syscall``), at most 2 seconds (a rank
+    leaving with a collective in flight must not hang), about 5 ms in a normal exit. Loggers, ``atexit``
+    handlers and the exit code are untouched. Where ``/proc`` cannot tell (another OS, an unknown CPU) it
+    only pauses 50 ms with the GIL released, which narrows the race without closing it."""
+    global _exit_wait_installed
+    if not _exit_wait_installed:
+        atexit.register(_quiet_gloo)
+        _exit_wait_installed = True
+
+
+def _quiet_gloo(timeout: float = 2.0, settle: int = 3) -> None:
+    try:
+        deadline, calm = time.monotonic() + timeout, 0
+        while True:
+            states = [_gloo_idle(tid) for tid in _gloo_workers()] if os.path.isdir("/proc/self/task") else [None]
+            if any(s is None for s in states):
+                time.sleep(0.05)  # no insight: a pause with the GIL released is the best there is
+                return
+            calm = calm + 1 if all(states) else 0
+            if calm >= settle or time.monotonic() >= deadline:
+                return
+            time.sleep(0.002)  # the GIL is free: a worker waiting for it takes it now, while Python is whole
+    except Exception:  # an exit hook never raises
+        return
+
+
+def _gloo_workers() -> list[str]:
+    tids = []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == _GLOO_WORKER:
+                        tids.append(tid)
+            except OSError:
+                pass  # the thread just ended
+    except OSError:
+        pass
+    return tids
+
+
+def _gloo_idle(tid: str) -> bool | None:
+    """True: parked in an untimed futex wait (gloo's idle wait); False: busy; None: cannot tell."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except FileNotFoundError:
+        return True  # ended
+    except OSError:
+        return None
+    futex = {"x86_64": "202", "aarch64": "98", "arm64": "98"}.get(os.uname().machine)
+    if futex is None:
+        return None  # the futex call's number on this CPU is not known here
+    if len(fields) < 5 or fields[0] != futex:
+        return False  # running, or in another call (a socket read of an unfinished collective)
+    op, timeout = int(fields[2], 16), int(fields[4], 16)
+    # FUTEX_WAIT_BITSET without a timeout: a condition-variable wait. Not FUTEX_WAIT (a mutex, with work left)
+    # and not a timed wait (CPython's GIL wait has a timeout)
+    return (op & 0x7F) == 9 and timeout == 0

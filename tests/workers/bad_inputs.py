@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, write_report
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
@@ -57,7 +58,36 @@ CASES: dict[str, dict[str, Any]] = {
     # a module an earlier Trainer cut into stages is not cut again (these two train a step first)
     "hybrid_cut_twice": {"strategy": {"pipeline_parallel_size": 2}, "twice": True},
     "ds_cut_twice": {"deepspeed": {}, "twice": True},
+    # after the first step a callback moves the head's parameters (last stage only) into a group of their own
+    "group_moved_on_one_stage": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 1}, "move_group": True},
+    # rank 1's training_step returns None on its second batch (after its forward)
+    "zero3_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 3}, "skip_on_rank1": True},
 }
+
+
+class MoveHeadToNewGroup(Callback):
+    """Regroups parameters after set-up, which ZeRO-1/2 cannot reshard; only the last stage holds the head."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 1:
+            return
+        optimizer = trainer.optimizers[0]
+        moved = [p for n, p in pl_module.named_parameters() if "head" in n]
+        if moved:
+            ids = {id(p) for p in moved}
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in ids]
+            optimizer.add_param_group({"params": moved, "lr": 0.01})
+
+
+def skip_on_rank1(step: Any) -> Any:
+    """``training_step`` that runs its forward everywhere, then returns None on rank 1's second batch."""
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        loss = step(batch, batch_idx)
+        return None if rank() == 1 and batch_idx == 1 else loss
+
+    return training_step
 
 
 def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
@@ -95,12 +125,17 @@ def attempt(case: dict[str, Any]) -> str:
             )
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
+        if case.get("skip_on_rank1"):
+            model.training_step = skip_on_rank1(model.training_step)
         callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
+        if case.get("move_group"):
+            callbacks.append(MoveHeadToNewGroup())
         if case.get("ft"):  # its default nan_policy, checkpoints under this job's own folder
             callbacks.append(FaultTolerantCheckpoint(dirpath=str(Path(OUT) / "ft-ckpt")))
         plugins = [AdaptiveLossScalingPrecision()] if case.get("plugin") else []
+        steps = 3 if case.get("move_group") or case.get("skip_on_rank1") else 1
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
             enable_checkpointing=bool(case.get("ft")), enable_progress_bar=False, enable_model_summary=False,
             use_distributed_sampler=False, limit_val_batches=0, callbacks=callbacks, plugins=plugins,
             **case.get("trainer", {}),

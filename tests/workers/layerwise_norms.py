@@ -61,7 +61,9 @@ def _flat(make, steps: int, *, reduce_norms: bool = True) -> list[torch.Tensor]:
         for p in params:
             p.grad = _grad(step, p)
         sharded.reduce_gradients()
+        sharded.swap_in()  # the param groups hold this rank's chunks while it steps
         opt.step()
+        sharded.swap_out()
         sharded.gather_parameters()
     return [p.detach().clone() for p in params]
 

@@ -70,7 +70,8 @@ def main(cfg: dict[str, Any]) -> None:
         model = build_model(cfg)
     if cfg.get("torch_optimizer"):  # one of torch's optimizers in place of the model's own
         optimizer_class = getattr(torch.optim, cfg["torch_optimizer"])
-        model.configure_optimizers = lambda: optimizer_class(model.parameters(), lr=0.01)
+        kwargs = cfg.get("torch_optimizer_kwargs", {"lr": 0.01})
+        model.configure_optimizers = lambda: optimizer_class(model.parameters(), **kwargs)
     data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}

@@ -121,11 +121,7 @@ class CheckpointWriter:
                 unsafe = unsafe_payload(checkpoint) if trainer.is_global_zero else None
                 if unsafe:
                     write.fatal = True
-                    error = (
-                        f"the checkpoint would not load without running code ({unsafe}); keep callback and module"
-                        " state to tensors, numbers, strings, lists and dicts (or register the types with"
-                        " torch.serialization.add_safe_globals)"
-                    )
+                    error = f"the checkpoint would not load without running code: {unsafe}"
                 elif background:
                     # the copy is the whole stall of an async save: training may change the originals after it
                     checkpoint, per_rank, tensors = snapshot((checkpoint, per_rank, tensors))

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree
-from lightning_hybrid._protocols import ReportsGradientLayout
+from lightning_hybrid._protocols import ExactWindowMeans, ReportsGradientLayout
 from lightning_hybrid._validate import check_choice, check_int, check_number
 from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
 
@@ -114,6 +114,7 @@ class AccumulationScheduler(Callback):
         self.samples = 0
         self.last_adapt_step = 0
         self._in_window = 0
+        self._exact_windows = False  # the strategy divides each window by its own element count
         self._small_sq: Union[float, None] = None
         self._micro_samples = 0
         self._saved_lrs: list[tuple[dict[str, Any], float, float]] = []
@@ -138,6 +139,14 @@ class AccumulationScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.accumulate_grad_batches = self.k
+        strategy = trainer.strategy
+        self._exact_windows = isinstance(strategy, ExactWindowMeans) and strategy.exact_window_means()
+        if self._exact_windows and self.unit == "adaptive":
+            raise ValueError(
+                "AccumulationScheduler(unit='adaptive') estimates the gradient noise scale from equally weighted"
+                " micro-batches; the module's pipeline_loss_count weighs them by their counts. Schedule by"
+                " 'step', 'epoch' or 'samples' (a ramp), or drop pipeline_loss_count."
+            )
 
     def _position(self, trainer: pl.Trainer) -> float:
         if self.unit == "epoch":
@@ -181,8 +190,9 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if 0 < self._in_window < self.k:
-            # the epoch's partial last window: Lightning divided by K, the window has r < K batches
+        if 0 < self._in_window < self.k and not self._exact_windows:
+            # the epoch's partial last window: Lightning divided by K, the window has r < K batches (a strategy
+            # that already divides by the window's own element count needs nothing)
             for p in params:
                 p.grad.mul_(self.k / self._in_window)
         if self.unit == "adaptive" and self._small_sq is not None:

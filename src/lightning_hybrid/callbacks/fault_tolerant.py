@@ -31,6 +31,7 @@ from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import LastCheckpointLookup
 from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteSteps
 from lightning_hybrid._skip import skip_schedulers_when
+from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid._validate import check_bool, check_choice, check_int, check_number
 from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName, roll_back
 from lightning_hybrid.callbacks._preemption import (
@@ -207,6 +208,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # resolved: a link in dirpath must not make the checkpoints Lightning loads look like someone else's
+        wait_for_gloo_at_exit()  # under any strategy (Lightning's DDP too) a finished job exits 0
         root = Path(trainer.strategy.broadcast(str(self._root.resolve())))
         self._root = self._resume.root = root
         self.dirpath = str(root)

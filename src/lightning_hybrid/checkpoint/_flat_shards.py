@@ -144,12 +144,14 @@ def flat_boxes(shape: tuple[int, ...] | torch.Size, start: int, stop: int) -> li
     """Cut the row-major flat range ``[start, stop)`` of a tensor of ``shape`` into boxes ``(offsets, sizes)``.
 
     Every box is contiguous in the flat order (``sizes`` is ``[1, ..., 1, m, full, ..., full]``), in order,
-    and there are at most ``2 * ndim - 1`` of them.
+    and there are at most ``2 * ndim - 1`` of them. A 0-dim tensor's element is the box ``([], [])``.
     """
     shape = list(shape)
     if start >= stop:
         return []
-    if len(shape) <= 1:
+    if not shape:  # a 0-dim tensor: its one element is a box of no dimensions, as DCP stores it
+        return [([], [])]
+    if len(shape) == 1:
         return [([start], [stop - start])]
     inner = math.prod(shape[1:])
     r0, r1 = start // inner, (stop - 1) // inner

@@ -15,6 +15,7 @@ execute anything. Three places in a load would unpickle arbitrary objects, and e
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
@@ -151,6 +152,13 @@ def unsafe_payload(obj: Any) -> str | None:
     Checked on a skeleton of ``obj`` (every tensor replaced by an empty one), so it costs a pickle of the
     non-tensor part only. The pack writes no checkpoint it could not read back without running code.
     """
+    where = _defaultdict_at(obj, "")
+    if where is not None:
+        # torch's weights-only unpickler cannot rebuild a defaultdict even when it is allow-listed
+        return (
+            f"{where or 'the checkpoint'} is a collections.defaultdict, which torch's weights-only loader never"
+            " rebuilds (allow-listing it does not help): return dict(...) from that state_dict"
+        )
     buffer = io.BytesIO()
     torch.save(_skeleton(obj), buffer)
     buffer.seek(0)
@@ -158,7 +166,27 @@ def unsafe_payload(obj: Any) -> str | None:
         torch.load(buffer, weights_only=True)
     except Exception as exc:
         why = str(exc).split("WeightsUnpickler error: ")[-1].split("Please use")[0].split("Check the documentation")[0]
-        return " ".join(why.split())
+        return " ".join(why.split()) + (
+            "; keep state to tensors, numbers, strings, lists and dicts, or register the types with"
+            " torch.serialization.add_safe_globals"
+        )
+    return None
+
+
+def _defaultdict_at(obj: Any, path: str) -> str | None:
+    """The key path of the first ``collections.defaultdict`` inside ``obj`` (``""``: ``obj`` itself)."""
+    if isinstance(obj, collections.defaultdict):
+        return path
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for key, value in items:
+        found = _defaultdict_at(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
     return None
 
 

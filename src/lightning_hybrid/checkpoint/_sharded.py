@@ -29,9 +29,21 @@ from lightning_hybrid.checkpoint._safe_load import (
     read_dcp_metadata,
 )
 
-__all__ = ["LAYOUT_KEY", "read_meta", "read_sharded", "read_sharded_index", "split_checkpoint", "write_sharded"]
+__all__ = [
+    "GROUP_INDEX",
+    "LAYOUT_KEY",
+    "read_meta",
+    "read_sharded",
+    "read_sharded_index",
+    "split_checkpoint",
+    "write_sharded",
+]
 
 LAYOUT_KEY = "hybrid_layout"  # meta.pt: the layout a sharded checkpoint was written with (informational)
+# optimizer_N.param_groups.<fqn>.__group__: the index of the param group the parameter was in. A group added
+# during training (BackboneFinetuning unfreezing a backbone, add_param_group) is rebuilt from it on resume,
+# on each pipeline rank from its own parameters, before its state is loaded.
+GROUP_INDEX = "__group__"
 
 
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Which optimizers stay exact when ZeRO shards what they step.
 
-ZeRO-1/2 step a flat slice that cuts across tensors, and ZeRO-3 steps each tensor's row shard. Only an
+ZeRO-1/2 step chunks of a flat buffer (a tensor's elements split between ranks at any offset), and ZeRO-3
+steps each tensor's row shard. Only an
 optimizer whose update of an element depends on that element alone (its gradient, its state, scalars such as
 the step count and the learning rate) computes the same thing on a slice. Everything else is refused at
 set-up, by name, with what to use instead: never silently different numbers.

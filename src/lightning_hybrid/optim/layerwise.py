@@ -6,9 +6,9 @@ Both scale each parameter tensor's update by a trust ratio ``||w|| / ||update||`
 - unsharded (one process, a pipeline, ZeRO-0): each parameter is a tensor; nothing is communicated;
 - ZeRO-3 (FSDP2 DTensor parameters, also under Lightning's ModelParallelStrategy): each rank sums the
   squares of its local shard, and the sums are all-reduced over the parameter's mesh;
-- ZeRO-1/2 (flat shards): the optimizer steps slices of a flat buffer that cut across tensors; the strategy
-  hands the optimizer a :class:`TensorPartition` (which range of each stepped slice belongs to which model
-  tensor), and the per-tensor sums are all-reduced over the data-parallel group.
+- ZeRO-1/2 (flat shards): the optimizer steps chunks of a flat buffer, each a piece of one model tensor whose
+  other pieces other ranks step; the strategy hands the optimizer a :class:`TensorPartition` (which model
+  tensor each stepped chunk belongs to), and the per-tensor sums are all-reduced over the data-parallel group.
 
 Norms are never reduced across pipeline stages: a tensor lives in one stage. One all-reduce of ``2 x
 tensors`` floats per step (per reduction group); the update is computed twice (once for its norm, once to
@@ -164,12 +164,16 @@ class LayerwiseOptimizer(Optimizer, metaclass=ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         stepped = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not stepped:
+        if not stepped and self._partition is None:
             return loss
+        # with a partition the norms are summed over the group even where this rank steps nothing (its shard
+        # may hold only frozen or unused parameters): every rank takes part in the all-reduce
         for p, group in stepped:
             self._prepare(p, _local(p.grad), self.state[p], group)
         slots = _Slots([p for p, _ in stepped], self._partition)
-        device = _local(stepped[0][0]).device
+        anchors = [p for p, _ in stepped] or [p for g in self.param_groups for p in g["params"]]
+        anchors = anchors or list(self._partition.segments) if self._partition is not None else anchors
+        device = _local(anchors[0]).device if anchors else torch.device("cpu")
         sums = torch.zeros(2, slots.num, dtype=torch.float64, device=device)
         for p, group in stepped:
             w, g, state = _local(p), _local(p.grad), self.state[p]

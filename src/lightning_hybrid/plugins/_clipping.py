@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -19,12 +20,26 @@ from typing_extensions import override
 __all__ = ["GradNormFn", "MeshAwareClippingMixin", "mesh_aware_precision"]
 
 GradNormFn = Callable[[Iterable[Tensor]], Tensor]
+PrepareFn = Callable[[Optimizer], None]
 
 
 class MeshAwareClippingMixin:
     """Mixin for a ``Precision`` plugin: clip by the global gradient norm when a strategy provides one."""
 
     grad_norm_fn: GradNormFn | None = None
+    # makes the optimizer's gradients the ones it steps with (reduced over the replicas, this rank's shard);
+    # idempotent within a step: under manual optimization ``clip_gradients`` runs before ``optimizer.step()``
+    prepare_fn: PrepareFn | None = None
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: float | int = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val and self.prepare_fn is not None:
+            self.prepare_fn(optimizer)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         if self.grad_norm_fn is None:
@@ -50,14 +65,16 @@ class _MeshAwareMixedPrecision(MeshAwareClippingMixin, MixedPrecision):
         MeshAwareClippingMixin.clip_grad_by_norm(self, optimizer, clip_val)
 
 
-def mesh_aware_precision(plugin: Precision, grad_norm_fn: GradNormFn) -> Precision | None:
+def mesh_aware_precision(
+    plugin: Precision, grad_norm_fn: GradNormFn, prepare_fn: PrepareFn | None = None
+) -> Precision | None:
     """The plugin to use in place of ``plugin`` so that clipping sees the global norm.
 
     Returns ``plugin`` itself when it already understands ``grad_norm_fn``, an equivalent mesh-aware copy of
     Lightning's stock ``Precision`` / ``MixedPrecision``, or ``None`` for a plugin it does not know.
     """
     if isinstance(plugin, MeshAwareClippingMixin):
-        plugin.grad_norm_fn = grad_norm_fn
+        plugin.grad_norm_fn, plugin.prepare_fn = grad_norm_fn, prepare_fn
         return plugin
     new: Precision
     if type(plugin) is Precision:
@@ -66,5 +83,5 @@ def mesh_aware_precision(plugin: Precision, grad_norm_fn: GradNormFn) -> Precisi
         new = _MeshAwareMixedPrecision(plugin.precision, plugin.device, plugin.scaler)
     else:
         return None
-    new.grad_norm_fn = grad_norm_fn  # type: ignore[attr-defined]
+    new.grad_norm_fn, new.prepare_fn = grad_norm_fn, prepare_fn  # type: ignore[attr-defined]
     return new

@@ -153,9 +153,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
     ) -> Any:
         self._wrap_schedulers(model)
         closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            self._loss_finite = None
-            return closure_result  # training_step returned None: nothing to step
+        nothing = closure_result is None and model.automatic_optimization  # training_step returned None
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
         if self._scaling and grads:
@@ -163,9 +161,14 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         found_inf, absmax = _inf_and_absmax(grads)
         loss_bad = 0.0 if self._loss_finite is None else float(not bool(self._loss_finite))
         self._loss_finite = None
-        device = grads[0].device if grads else torch.device("cpu")
-        # the one collective of the decision: every rank then runs the same state machine on the same input
-        found_inf, loss_bad, absmax = agree([found_inf, loss_bad, absmax], device=device)
+        device = None  # where the backend communicates (a rank may hold no gradient: its shard is all unused)
+        # the one collective of the decision, also where training_step returned None (so that no rank waits
+        # for another): every rank then runs the same state machine on the same input
+        found_inf, loss_bad, absmax, nothing_any = agree([found_inf, loss_bad, absmax, float(nothing)], device=device)
+        if nothing_any:
+            for p in params:
+                p.grad = None
+            return closure_result  # some rank had nothing to step: no rank steps, the scale stays
         decision = self.scaler_state.update(
             found_inf=bool(found_inf), loss_nonfinite=bool(loss_bad), grad_absmax=absmax
         )

@@ -3,6 +3,7 @@ the engine around it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch
@@ -27,10 +28,12 @@ def build_pipeline(
     activation_checkpoint_interval: int,
     init_from: Union[PretrainedWeights, None],
     device: torch.device,
-) -> nn.Module:
+    loss_fn: Union[Callable[[Any, Any], Any], None] = None,
+) -> tuple[nn.Module, Any]:
     """A ``PipelineModule`` over ``module.layers`` (every rank together: it builds process groups). Afterwards
     ``module.layers`` holds only this rank's blocks, under their original names, on ``device``, with the
-    pretrained weights of ``init_from`` if given."""
+    pretrained weights of ``init_from`` if given. Returns the PipelineModule and the pretrained source and
+    plan (``None`` without ``init_from``), to fill DeepSpeed's fp32 master copy from once it exists."""
     from deepspeed.pipe import PipelineModule
 
     refuse_cut_module(module)
@@ -40,7 +43,7 @@ def build_pipeline(
     pipe = PipelineModule(
         layers=[unpacking(block) for _, block in items],
         num_stages=num_stages,
-        loss_fn=module.pipeline_loss,
+        loss_fn=loss_fn if loss_fn is not None else module.pipeline_loss,
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
     )
@@ -63,10 +66,13 @@ def build_pipeline(
         # are split across its "model parallel" (here: pipeline) group; then the norm is global
         p.model_parallel = True
     module.to(device)
+    for p in module.parameters():
+        if not p.is_contiguous():  # DeepSpeed broadcasts and flattens storage: same values, row-major strides
+            p.data = p.data.contiguous()
     if pretrained is not None:  # this stage's tensors only, before DeepSpeed copies them into its partitions
         read = agreed_load(module, *pretrained, device)
         rank_zero_info(f"init_from: rank 0 read {read / 2**20:.1f} MiB of {pretrained[1].weights.path}")
-    return pipe
+    return pipe, pretrained
 
 
 def start_engine(

@@ -5,8 +5,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
+from lightning_hybrid._lightning_compat import group_adding_callbacks
+from lightning_hybrid.strategies._checks import refuse_averaging
 from lightning_hybrid.strategies._deepspeed_config import precision_kind
 from lightning_hybrid.strategies._pipeline import check_pipeline_contract
 from lightning_hybrid.strategies._tied import find_ties
@@ -29,6 +32,27 @@ def refuse_unsupported(
     from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
 
     check_pipeline_contract(module)
+    if trainer.state.fn == TrainerFn.FITTING:
+        refuse_averaging(trainer, None, engine="DeepSpeedPipelineStrategy")
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"{type(module).__name__} uses manual optimization; DeepSpeed's engine runs forward, backward and"
+                " the optimizer step of every batch in place of training_step. Use automatic optimization."
+            )
+        adding = group_adding_callbacks(trainer)
+        if adding:
+            raise ValueError(
+                f"{adding[0]} adds param groups to the optimizer during training; DeepSpeed's engine partitions and"
+                " reduces only the groups it was built with. Put every parameter in the optimizer from the start, or"
+                " use HybridParallelStrategy, which shards groups added later."
+            )
+    scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"{', '.join(scalars[:3])} {'is a 0-dim parameter' if len(scalars) == 1 else 'are 0-dim parameters'}:"
+            " DeepSpeed's engine fails on them when it broadcasts the model (one rank raises while the others"
+            " wait). Make each a 1-D tensor of one element, or use HybridParallelStrategy, which keeps them exact."
+        )
     on_meta = [n for n, p in module.named_parameters() if p.is_meta]
     if on_meta:
         raise ValueError(

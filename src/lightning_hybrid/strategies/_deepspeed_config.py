@@ -90,8 +90,10 @@ def merge_config(user: dict[str, Any], want: EngineRequest) -> dict[str, Any]:
     if not isinstance(zero, dict):
         raise ValueError(f"zero_optimization in the DeepSpeed config must be an object, got {zero!r}.")
     own("stage", want.zero_stage, "the strategy's zero_stage", zero, "zero_optimization.stage")
-    for key in ("offload_optimizer", "offload_param"):
-        if zero.get(key):
+    # cpu_offload / cpu_offload_params: DeepSpeed's deprecated spellings of the same two settings
+    for key in ("offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params"):
+        value = zero.get(key)
+        if value and not (isinstance(value, dict) and value.get("device", "cpu") in ("none", None)):
             conflicts.append(
                 f"zero_optimization.{key}: not supported by DeepSpeedPipelineStrategy (its checkpoints read the"
                 " optimizer state where DeepSpeed keeps it on the device); remove it"

@@ -41,6 +41,7 @@ __all__ = [
     "Slot",
     "apply_loaded",
     "client_optimizer",
+    "fill_masters",
     "model_state",
     "optimizer_state",
     "slots",
@@ -107,6 +108,17 @@ def slots(module: nn.Module, engine: Any) -> list[Slot]:
             )
         out.append(Slot(name, param, owner, group, lp.start, hp.start, hp.numel))
     return out
+
+
+@torch.no_grad()
+def fill_masters(held: list[Slot], source: Any, plan: Any) -> None:
+    """Copy pretrained values into DeepSpeed's fp32 master partitions (bf16/fp16, ZeRO-1): DeepSpeed built them
+    from the low-precision parameters, so without this the run starts from weights rounded to bf16/fp16."""
+    for slot in held:
+        if slot.whole or slot.name not in plan.source_of:
+            continue
+        value = source.read(plan.source_of[slot.name], None).reshape(-1)[slot.lp_start : slot.lp_start + slot.numel]
+        slot.owner.data.view(-1)[slot.hp_start : slot.hp_start + slot.numel].copy_(value)
 
 
 def model_state(module: nn.Module, held: list[Slot], *, partitioned: bool) -> dict[str, Any]:

@@ -18,7 +18,7 @@ scattered every backward and gathers parameters when they are used).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,11 +27,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._protocols import TakesTensorPartition
+from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
+from lightning_hybrid.strategies._fsdp import UnitGradients
 from lightning_hybrid.strategies._layout import ZeroConfig
 from lightning_hybrid.strategies._tied import TiedGradients
 from lightning_hybrid.strategies._zero import FlatShardedOptimizer
+from lightning_hybrid.strategies._zero_grads import BucketQueue
 
 __all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "ShardedOptimizerGradients", "gradient_sync"]
 
@@ -71,17 +75,46 @@ class GradientSync:
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished."""
 
+    def watch_pipeline(
+        self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
+    ) -> None:
+        """The stages run by a pipeline schedule (their backward passes are the schedule's, not the strategy's);
+        ``weight_gradients_deferred``: the schedule computes weight gradients outside autograd's accumulation;
+        ``inferring()``: the stages run for their shape inference, no micro-batch."""
+
+    def begin_step(self, optimizer: Optimizer) -> None:
+        """The window's gradients are reduced; unscaling, clipping and the optimizer step follow."""
+
+    def end_step(self, optimizer: Optimizer) -> None:
+        """The optimizer step is over (or failed)."""
+
+    def adopt_param_groups(self, optimizer: Optimizer) -> None:
+        """Take charge of param groups added to ``optimizer`` since set-up (before their state is loaded)."""
+
+    def hold_gradients(self, hold: bool) -> None:
+        """A pipeline's backward ran inside training_step: until Lightning's backward call, a zero_grad must not
+        discard its gradients (ZeRO-0/3 set them aside instead; see ``PipelineRunner.train_step``)."""
+
     def current_gradients(self, module: nn.Module) -> list[Tensor]:
         """This rank's part of the gradient accumulated so far in the window (for the noise scale)."""
         return [p.grad for p in module.parameters() if p.grad is not None]
 
-    def reduce(self, optimizer: Optimizer) -> None:
+    def reduce(self, optimizer: Optimizer, *, scale: float | None = None) -> None:
         """The window's last backward ran: tied gradients summed over their stages, then this ZeRO stage's
-        reduction over the data-parallel group."""
+        reduction over the data-parallel group; then the gradients the optimizer steps are multiplied by
+        ``scale`` (a counted loss's window correction), when given."""
         index = self._optimizer_index.get(id(optimizer))
         if self.ties and index is not None:
             self.ties.sum_gradients(index)
         self._reduce(optimizer)
+        if scale is not None:
+            self._scale(optimizer, scale)
+
+    @torch.no_grad()
+    def _scale(self, optimizer: Optimizer, scale: float) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for g in grads:
+            _local(g).mul_(scale)
 
     def _reduce(self, optimizer: Optimizer) -> None:
         """ZeRO-3: FSDP2 reduce-scattered during backward."""
@@ -118,7 +151,7 @@ class GradientSync:
         """How many ranks hold each gradient element the optimizer steps with."""
         return 1
 
-    # sharded checkpoints: ZeRO-1/2 replace parameters and optimizer state by this rank's flat slices
+    # sharded checkpoints: ZeRO-1/2 save parameters and optimizer state as this rank's chunks of flat buffers
     def sharded_optimizer(self, optimizer: Optimizer) -> FlatShardedOptimizer | None:
         return None
 
@@ -146,6 +179,14 @@ class ReplicatedGradients(GradientSync):
         if dp == 1:
             return
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient
+        # would still move it under weight decay or momentum); which ones is agreed, the check costs one flag
+        has = [p.grad is not None for p in params]
+        (unused,) = agree([float(not all(has))], device=self._comm_device, group=self.data_parallel_group)
+        if unused:
+            flags = torch.tensor(has, dtype=torch.uint8, device=self._comm_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            params = [p for p, used in zip(params, flags.tolist()) if used]
         bucket: list[Tensor] = []
         for i, p in enumerate(params):
             bucket.append(p)
@@ -153,6 +194,10 @@ class ReplicatedGradients(GradientSync):
             if not same or sum(q.numel() * q.element_size() for q in bucket) >= self.bucket_bytes:
                 self._reduce_bucket(bucket, dp)
                 bucket = []
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if str(dist.get_backend(self.data_parallel_group)) == "gloo" else self.device
 
     def _reduce_bucket(self, params: list[Tensor], dp: int) -> None:
         flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
@@ -175,12 +220,19 @@ class ReplicatedGradients(GradientSync):
 class ShardedOptimizerGradients(GradientSync):
     """ZeRO-1/2: each rank's optimizer steps its flat shard; see :class:`FlatShardedOptimizer`."""
 
-    optimizer_holds_model_parameters = False  # it holds the flat shards
+    # gradients live in flat buffers and buckets, which the optimizer's own zero_grad discards; the pipeline
+    # keeps them through Lightning's zero_grad with hold_gradients instead of setting them aside
+    optimizer_holds_model_parameters = False
 
     def __init__(self, *, zero_stage: int, config: ZeroConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.zero_stage, self.config = zero_stage, config
         self._sharded: dict[int, FlatShardedOptimizer] = {}
+        # ZeRO-2 every_microbatch: every bucket of the stage in one reduction order. A backward ends at the
+        # strategy's after_backward (no pipeline), or, in a pipeline, at the end of each micro-batch's
+        # backward through the stages (watch_pipeline)
+        self.queue = BucketQueue()
+        self._boundary = "after_backward"
 
     @property
     def averaged_every_backward(self) -> bool:  # type: ignore[override]
@@ -189,6 +241,7 @@ class ShardedOptimizerGradients(GradientSync):
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
         super().attach(optimizers, names)
         bucket = int(self.config.bucket_size_mb * 2**20)
+        sizes = [p.element_size() for opt in optimizers for g in opt.param_groups for p in g["params"]]
         self._sharded = {
             id(opt): FlatShardedOptimizer(
                 opt,
@@ -196,15 +249,84 @@ class ShardedOptimizerGradients(GradientSync):
                 group=self.data_parallel_group,
                 zero_stage=self.zero_stage,
                 reduce_gradients=self.config.reduce_gradients,
-                bucket_numel=max(1, bucket // max(p.element_size() for g in opt.param_groups for p in g["params"])),
+                bucket_numel=max(1, bucket // max(sizes, default=4)),
+                queue=self.queue,
             )
             for opt in optimizers
         }
         for opt in optimizers:
-            if isinstance(opt, TakesTensorPartition):  # per-tensor norms over the flat slices it steps
-                opt.set_tensor_partition(self._sharded[id(opt)].tensor_partition())
+            self._set_partition(opt)
+
+    def _set_partition(self, optimizer: Optimizer) -> None:
+        if isinstance(optimizer, TakesTensorPartition):  # per-tensor norms over the flat slices it steps
+            optimizer.set_tensor_partition(self._sharded[id(optimizer)].tensor_partition())
+
+    def hold_gradients(self, hold: bool) -> None:
+        for sharded in self._sharded.values():
+            sharded.hold = hold
+
+    def adopt_param_groups(self, optimizer: Optimizer) -> None:
+        # a callback that moved a parameter between groups is refused where the parameter lives (one stage):
+        # every rank raises alike instead of the others waiting in the step's collectives
+        problem = None
+        try:
+            if self._sharded[id(optimizer)].sync_groups():  # a group added since: flattened and sharded now
+                check_shardable(optimizer, self.zero_stage)
+                self._set_partition(optimizer)
+        except Exception as exc:  # whatever it is, every rank stops with it
+            problem = f"{type(exc).__name__}: {exc}"
+        problem = agreed_problem(problem, device=self.device)
+        if problem:
+            raise RuntimeError(problem)
+
+    def begin_step(self, optimizer: Optimizer) -> None:
+        self._sharded[id(optimizer)].swap_in()
+
+    def end_step(self, optimizer: Optimizer) -> None:
+        self._sharded[id(optimizer)].swap_out()
+
+    def watch_pipeline(
+        self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
+    ) -> None:
+        self._inferring = inferring
+        if weight_gradients_deferred:
+            # weight gradients appear outside autograd's accumulation: reduce once the schedule has run
+            self.queue.launch_in_backward = False
+            self._boundary = "after_backward"
+            return
+        self._boundary = "stage_backward"
+        # with several stages per rank (interleaved, looped) a boundary is every len(stages)-th stage backward:
+        # each micro-batch then reduces every bucket once, as without them
+        self._stages_per_boundary, self._stage_backwards = len(stage_modules), 0
+        self._boundary_queued = False
+        for stage in stage_modules:
+            stage.register_forward_hook(self._watch_output)
+
+    def _watch_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        # the stage's outputs receive their gradients first in the micro-batch's backward through this rank:
+        # the end of that backward is a boundary every data-parallel rank reaches the same number of times.
+        # Every output is hooked (one may get no gradient); the first hook to fire queues the boundary
+        if self._inferring():
+            return
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for t in outputs:
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(self._backward_started)
+
+    def _backward_started(self, grad: Tensor) -> None:
+        if not self._boundary_queued:
+            self._boundary_queued = True
+            queue_backward_callback(self._stage_backward_ended)
+
+    def _stage_backward_ended(self) -> None:
+        self._boundary_queued = False
+        self._stage_backwards += 1
+        if self._stage_backwards % self._stages_per_boundary == 0:
+            self.queue.end_backward()
 
     def after_backward(self) -> None:
+        if self._boundary == "after_backward":
+            self.queue.end_backward()
         for sharded in self._sharded.values():
             sharded.after_backward()
 
@@ -214,11 +336,15 @@ class ShardedOptimizerGradients(GradientSync):
     def _reduce(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].reduce_gradients()
 
+    @torch.no_grad()
+    def _scale(self, optimizer: Optimizer, scale: float) -> None:
+        self._sharded[id(optimizer)].scale_gradients(scale)
+
     def _gradient_parts(self, param: nn.Parameter, given: set[int]) -> list[Tensor]:
         return [
             part
             for sharded in self._sharded.values()
-            if any(id(c.grad) in given for g in sharded.groups for c in g.chunks)
+            if any(id(c.tensor.grad) in given for g in sharded.groups for c in g.chunks)
             for part in sharded.shard_gradient_parts(param)
         ]
 
@@ -240,7 +366,28 @@ class ShardedOptimizerGradients(GradientSync):
 
 
 class FullyShardedGradients(GradientSync):
-    """ZeRO-3 (FSDP2): parameters, gradients and optimizer state are DTensors sharded over the group."""
+    """ZeRO-3 (FSDP2): parameters, gradients and optimizer state are DTensors sharded over the group. A
+    parameter no replica used in the window gets no gradient (``UnitGradients`` gave it zeros for FSDP2's
+    reduction), so it is not stepped, as in one process."""
+
+    def __init__(self, *, units: UnitGradients | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.units = units
+        self._by_name: dict[str, Tensor] = {}
+        self._names: dict[Tensor, str] = {}
+
+    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        super().attach(optimizers, names)
+        self._names = dict(names)
+        self._by_name = {n: p for p, n in names.items()}
+
+    def _reduce(self, optimizer: Optimizer) -> None:
+        if self.units is None:
+            return
+        device = torch.device("cpu") if str(dist.get_backend(self.data_parallel_group)) == "gloo" else self.device
+        mine = {n for group in optimizer.param_groups for p in group["params"] for n in [self._names.get(p)] if n}
+        for name in self.units.unused_everywhere(mine, device):
+            self._by_name[name].grad = None
 
 
 def gradient_sync(
@@ -251,8 +398,10 @@ def gradient_sync(
     data_parallel_group: dist.ProcessGroup,
     pipeline_group: dist.ProcessGroup,
     ties: TiedGradients | None = None,
+    units: UnitGradients | None = None,
 ) -> GradientSync:
-    """The gradient synchronisation for ``zero_stage`` (validated by the layout)."""
+    """The gradient synchronisation for ``zero_stage`` (validated by the layout); ``units``: ZeRO-3's watch on
+    the gradients FSDP2 reduces."""
     kwargs: dict[str, Any] = {
         "device": device,
         "data_parallel_group": data_parallel_group,
@@ -263,7 +412,7 @@ def gradient_sync(
         return ReplicatedGradients(config=config, **kwargs)
     if zero_stage in (1, 2):
         return ShardedOptimizerGradients(zero_stage=zero_stage, config=config, **kwargs)
-    return FullyShardedGradients(**kwargs)
+    return FullyShardedGradients(units=units, **kwargs)
 
 
 def _local(t: Tensor) -> Tensor:

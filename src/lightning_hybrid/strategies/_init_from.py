@@ -170,12 +170,12 @@ class _SafetensorsFiles:
 class _PackCheckpoint:
     _PREFIX = "state_dict."
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, verify: bool = True) -> None:
         from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded_index
         from lightning_hybrid.strategies._tied import CheckpointNames
         from lightning_hybrid.utilities.consolidate import verified_checkpoint
 
-        self._path = verified_checkpoint(path)
+        self._path = verified_checkpoint(path, hashes=verify)
         metadata = read_sharded_index(self._path).state_dict_metadata
         self._meta = {
             k[len(self._PREFIX) :]: v
@@ -207,9 +207,10 @@ class _PackCheckpoint:
         return out
 
 
-def open_weights(path: Union[str, os.PathLike]) -> WeightsSource:
+def open_weights(path: Union[str, os.PathLike], *, verify: bool = True) -> WeightsSource:
     """The source at ``path`` (see the module docstring for the kinds); raises ``ValueError`` saying what is
-    wrong with the path."""
+    wrong with the path. ``verify``: hash a pack checkpoint's files against its manifest (one rank does it
+    for the job; the others check that every file is there with its size)."""
     path = Path(path)
     if path.is_file():
         if path.suffix == ".safetensors":
@@ -218,7 +219,7 @@ def open_weights(path: Union[str, os.PathLike]) -> WeightsSource:
     if not path.is_dir():
         raise ValueError(f"init_from={str(path)!r} does not exist (a weights file or folder on every node).")
     if (path / ".metadata").is_file():
-        return _PackCheckpoint(path)
+        return _PackCheckpoint(path, verify=verify)
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise ValueError(
@@ -275,13 +276,20 @@ class WeightsPlan:
 
 
 def plan_pretrained(
-    weights: PretrainedWeights, source: WeightsSource, expected: dict[str, tuple[int, ...]]
+    weights: PretrainedWeights,
+    source: WeightsSource,
+    expected: dict[str, tuple[int, ...]],
+    *,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    ties: Sequence[Sequence[str]] = (),
 ) -> WeightsPlan:
     """Match the checkpoint's keys to the module's names (``expected``: name -> full shape, of the whole
-    module); raises ``ValueError`` naming every missing, unexpected, doubly fed or wrongly shaped key."""
+    module; ``dtypes``: name -> dtype; ``ties``: names that are one tensor); raises ``ValueError`` naming every
+    missing, unexpected, doubly fed, wrongly shaped or wrongly typed key, and every tied parameter whose names
+    different keys would feed with different values."""
     index = source.index()
     source_of: dict[str, str] = {}
-    unexpected, doubled, wrong_shape = [], [], []
+    unexpected, doubled, wrong_shape, wrong_dtype = [], [], [], []
     for key in sorted(index):
         names = weights.targets(key)
         if not names and not weights.ignored(key):
@@ -297,8 +305,15 @@ def plan_pretrained(
                 continue
             if index[key][0] != tuple(expected[name]):
                 wrong_shape.append(f"{key} {list(index[key][0])} -> {name} {list(expected[name])}")
+            elif dtypes is not None and name in dtypes and not _dtype_fits(index[key][1], dtypes[name]):
+                wrong_dtype.append(f"{key} {index[key][1]} -> {name} {dtypes[name]}")
             source_of[name] = key
     missing = [n for n in expected if n not in source_of]
+    split_ties = [
+        " / ".join(f"{n} <- {source_of[n]}" for n in names)
+        for names in ties
+        if len({source_of.get(n) for n in names if n in source_of}) > 1 and not _same_values(source, names, source_of)
+    ]
     problems = [
         (what, keys)
         for what, keys in (
@@ -306,6 +321,8 @@ def plan_pretrained(
             ("unexpected (the module has no such name; map or ignore them)", unexpected),
             ("fed twice", doubled),
             ("wrong shape", wrong_shape),
+            ("wrong dtype (a float parameter takes float16, bfloat16, float32 or float64 values only)", wrong_dtype),
+            ("tied (one tensor) but fed different values by different keys", split_ties),
         )
         if keys
     ]
@@ -316,6 +333,30 @@ def plan_pretrained(
             " (checkpoint prefix -> module prefix) or ignore=[...] of PretrainedWeights."
         )
     return WeightsPlan(weights, source_of)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_fits(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether values of ``source`` may be copied into a tensor of ``target``: floats from the four plain float
+    types (float8 needs its scales, integers and booleans are no weights); integers from integers; any other
+    kind from itself."""
+    if target.is_floating_point:
+        return source in _FLOATS
+    if target.is_complex:
+        return source.is_complex
+    if target == torch.bool or source == torch.bool:
+        return source == target
+    return not source.is_floating_point and not source.is_complex
+
+
+def _same_values(source: WeightsSource, names: Sequence[str], source_of: Mapping[str, str]) -> bool:
+    """Whether the keys feeding a tied parameter's names hold equal values (a checkpoint that stores a tied
+    tensor under both names): read whole, only for ties fed by two keys."""
+    keys = sorted({source_of[n] for n in names if n in source_of})
+    first = source.read(keys[0], None)
+    return all(torch.equal(first, source.read(k, None)) for k in keys[1:])
 
 
 def _summarise(entries: list[str], limit: int = 12) -> str:
@@ -339,6 +380,18 @@ def _summarise(entries: list[str], limit: int = 12) -> str:
 def expected_names(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every name of the module's state_dict with its full shape (tied parameters under each of their names)."""
     return {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def expected_dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    return {name: t.dtype for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def tied_names(module: nn.Module) -> list[list[str]]:
+    """Names of the state_dict that are one tensor (tied parameters), each group in order."""
+    groups: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 def _local_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, Union[tuple[int, int], None]]]:
@@ -391,14 +444,22 @@ def agreed_plan(
 
     problem, pretrained = None, None
     try:
-        source = open_weights(weights.path)
-        pretrained = source, plan_pretrained(weights, source, expected_names(module))
+        source = open_weights(weights.path, verify=_first_on_node())
+        plan = plan_pretrained(
+            weights, source, expected_names(module), dtypes=expected_dtypes(module), ties=tied_names(module)
+        )
+        pretrained = source, plan
     except Exception as exc:  # no rank may be left waiting in a collective
         problem = str(exc) if isinstance(exc, ValueError) and str(exc) else f"init_from={str(weights.path)!r}: {exc!r}"
     problem = agreed_problem(problem, device=device)
     if problem or pretrained is None:
         raise ValueError(problem)
     return pretrained
+
+
+def _first_on_node() -> bool:
+    """One process per node hashes a pack checkpoint (each node may read its own copy of the files)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def agreed_load(module: nn.Module, source: WeightsSource, plan: WeightsPlan, device: torch.device) -> int:

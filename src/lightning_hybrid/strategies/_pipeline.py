@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.checkpoint import checkpoint
 
+from lightning_hybrid._torch_compat import side_effect_free_stage
 from lightning_hybrid.strategies._layout import (
     SCHEDULES,
     Layout,
@@ -26,7 +27,14 @@ from lightning_hybrid.strategies._layout import (
     stage_ids_on_rank,
 )
 
-__all__ = ["PipelineStageModule", "build_schedule", "check_pipeline_contract", "split_module", "stage_ranges"]
+__all__ = [
+    "PipelineStageModule",
+    "build_schedule",
+    "check_pipeline_contract",
+    "contract_batch",
+    "split_module",
+    "stage_ranges",
+]
 
 
 class PipelineStageModule(nn.Module):
@@ -72,6 +80,13 @@ def check_pipeline_contract(module: nn.Module) -> None:
             f"{', ...' if len(outside) > 3 else ''}) that no pipeline stage would own; move them into a block"
             " of `self.layers`."
         )
+
+
+def contract_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a batch as the contract reads it: ``pipeline_batch(batch)`` when the module
+    defines it, else ``(batch[0], batch[1])``."""
+    fn = getattr(module, "pipeline_batch", None)  # optional in the contract
+    return fn(batch) if callable(fn) else (batch[0], batch[1])
 
 
 _CUT: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules whose `layers` hold only some stages' blocks
@@ -133,11 +148,14 @@ def build_schedule(
     device: torch.device,
     group: dist.ProcessGroup,
     loss_fn: Callable[[Any, Tensor], Tensor],
+    inference: tuple[Callable[[], None], Callable[[], None]],
 ) -> tuple[Any, list[PipelineStage]]:
-    """Wrap the local stage modules in ``PipelineStage`` objects and build the named torch schedule."""
+    """Wrap the local stage modules in ``PipelineStage`` objects and build the named torch schedule.
+    ``inference``: what runs before the stages' shape inference and after it (to undo its effects)."""
     spec = SCHEDULES[layout.schedule]
+    stage_class = side_effect_free_stage(PipelineStage, *inference)
     stages = [
-        PipelineStage(mod, stage_index=sid, num_stages=layout.num_stages, device=device, group=group)
+        stage_class(mod, stage_index=sid, num_stages=layout.num_stages, device=device, group=group)
         for sid, mod in zip(stage_ids, stage_modules)
     ]
     schedule_class = get_schedule_class(spec.torch_name)

@@ -6,7 +6,7 @@ number of micro-batches and by the accumulation count before its backward, so th
 exactly what Lightning's own backward of the step's mean loss would give. When Lightning's ``zero_grad``
 can reach the model's gradients (the optimizer holds the model's parameters: ZeRO-0 and ZeRO-3), the
 runner sets the earlier gradients aside during the schedule and adds the new ones back in ``backward``;
-under ZeRO-1/2 the optimizer holds flat shards and gradients accumulate in place.
+under ZeRO-1/2 the gradients accumulate in flat buffers, which the strategy holds through that zero_grad.
 
 The loss exists on the last stage only: one all-reduce gives every rank the step's mean loss (fp32:
 a bf16 value broadcast into an fp32 buffer arrives as 0.0 over gloo), averaged over the data-parallel
@@ -24,8 +24,9 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_hybrid._protocols import PipelineLossScaling
+from lightning_hybrid.strategies._counted_loss import CountedLoss
 from lightning_hybrid.strategies._layout import Layout, last_stage_rank
-from lightning_hybrid.strategies._pipeline import build_schedule
+from lightning_hybrid.strategies._pipeline import build_schedule, contract_batch
 
 __all__ = ["PipelineRunner", "pipeline_loss_scaling"]
 
@@ -39,6 +40,8 @@ class PipelineRunner:
         stage_ids, stage_modules: this rank's stages, in schedule order.
         device, group: where the stages run and the pipeline's process group.
         loss_scaling: the precision plugin's per-micro-batch loss scaling (fp16), or ``None``.
+        counted: the module's loss is a mean over ``pipeline_loss_count(target)`` elements: micro-batches are
+            weighted by their count (see ``_counted_loss``), or ``None`` (plain means, equal weights).
     """
 
     def __init__(
@@ -51,8 +54,14 @@ class PipelineRunner:
         device: torch.device,
         group: dist.ProcessGroup,
         loss_scaling: PipelineLossScaling | None,
+        counted: CountedLoss | None = None,
     ) -> None:
         self.module, self.layout, self.device, self.group = module, layout, device, group
+        self.counted = counted
+        self.inferring = False  # the stages are inferring shapes: nothing they run is a micro-batch
+        self._saved_buffers: list[tuple[Tensor, Tensor]] | None = None
+        self.last_count = 0.0  # elements of the last batch, over every replica (counted losses)
+        self._parts: list[tuple[Tensor, Tensor]] = []  # (mean, count) of each micro-batch on the last stage
         self.stage_ids, self.stage_modules = stage_ids, stage_modules
         self.loss_scaling = loss_scaling
         self.holds_last_stage = (layout.num_stages - 1) in stage_ids
@@ -63,6 +72,7 @@ class PipelineRunner:
             device=device,
             group=group,
             loss_fn=self._loss,
+            inference=(self._inference_begins, self._inference_ends),
         )
         self._pending: list[Tensor | None] | None = None
         self._divisor = 1  # micro-batches x accumulation count of the step being run
@@ -72,13 +82,38 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------------------ step
 
+    def _inference_begins(self) -> None:
+        """The stages infer their shapes by running on a copy of the first micro-batch or on uninitialised
+        tensors: their buffers (BatchNorm's running statistics) are put back afterwards, and the loss function
+        and the gradient hooks know that what runs is no micro-batch."""
+        if self._saved_buffers is None:
+            self._saved_buffers = [(b, b.clone()) for m in self.stage_modules for b in m.buffers()]
+        self.inferring = True
+
+    @torch.no_grad()
+    def _inference_ends(self) -> None:
+        self.inferring = False
+        for b, saved in self._saved_buffers or []:
+            b.copy_(saved)
+        self._saved_buffers = None
+
     def _loss(self, output: Any, target: Tensor) -> Tensor:
-        loss = self.module.pipeline_loss(output, target) / self._divisor
+        if self.inferring:  # shapes only: the user's loss never sees the placeholder tensors
+            return _zero_from(output)
+        if self.counted is not None:
+            n = self.counted.count(target)
+            if n == 0:  # nothing counted in this micro-batch (all padding): it adds nothing, and no 0/0
+                return _zero_from(output)
+        mean = self.module.pipeline_loss(output, target)
+        if self.counted is not None:
+            self._parts.append((mean.detach().double(), torch.tensor(n, dtype=torch.float64, device=mean.device)))
+            loss = mean * self.counted.weight(n)  # the window's correction replaces the division
+        else:
+            loss = mean / self._divisor
         return self.loss_scaling.scale_pipeline_loss(loss) if self.loss_scaling is not None else loss
 
     def split_batch(self, batch: Any) -> tuple[Any, Tensor]:
-        fn = getattr(self.module, "pipeline_batch", None)  # optional in the contract: the default is positional
-        inputs, target = fn(batch) if callable(fn) else (batch[0], batch[1])
+        inputs, target = contract_batch(self.module, batch)
         size = inputs.shape[0] if isinstance(inputs, Tensor) else inputs[0].shape[0]
         m = self.layout.num_microbatches
         if size % m:
@@ -96,10 +131,17 @@ class PipelineRunner:
         losses: list[Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         self._divisor = self.layout.num_microbatches * accumulation
+        if self.counted is not None and self.counted.reference is None:
+            # every rank holds the batch: the typical count of one micro-batch, agreed once
+            units = dist.get_world_size() * self.layout.num_microbatches
+            self.counted.agree_reference(self.counted.count(target), units, group=None)
+        self._parts = []
         try:
             output = run(*args, target=target, losses=losses)
         finally:
             divisor, self._divisor = self._divisor, 1
+        if self.counted is not None:
+            return self._counted_mean(), output if self.holds_last_stage else None, target
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.holds_last_stage and losses:
             loss = torch.stack([x.detach().float() for x in losses]).mean()
@@ -109,6 +151,19 @@ class PipelineRunner:
         dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
         loss = loss / self.layout.data_parallel_size
         return loss, output if self.holds_last_stage else None, target
+
+    def _counted_mean(self) -> Tensor:
+        """The batch's mean over its counted elements on every rank (one all-reduce of the last stages' sums
+        and counts); keeps the batch's count over every replica in ``last_count``."""
+        both = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self.holds_last_stage and self._parts:
+            means, counts = zip(*self._parts)
+            both[0] = (torch.stack(means) * torch.stack(counts)).sum()
+            both[1] = torch.stack(counts).sum()
+        dist.all_reduce(both)
+        self._parts = []
+        self.last_count = float(both[1])
+        return (both[0] / both[1].clamp_min(1.0)).float()
 
     def train_step(self, batch: Any, *, accumulation: int, set_aside: bool) -> Tensor:
         """Run forward and backward of a step (its loss divided by ``accumulation``, as Lightning divides).
@@ -159,6 +214,12 @@ class PipelineRunner:
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         output = self.schedule.eval(inputs)
         return self.last_stage_output_everywhere(output if self.holds_last_stage else None)
+
+
+def _zero_from(output: Any) -> Tensor:
+    """A zero that backpropagates zeros into ``output`` (a tensor or a tuple of tensors)."""
+    tensors = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if isinstance(t, Tensor)]
+    return sum((t.float().sum() * 0.0 for t in tensors), torch.zeros((), device=tensors[0].device))
 
 
 def pipeline_loss_scaling(plugin: Precision) -> PipelineLossScaling | None:

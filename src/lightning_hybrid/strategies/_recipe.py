@@ -18,10 +18,13 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_hybrid.strategies._fsdp import ShardingPlan, shard_fully
+from lightning_hybrid.strategies._buffers import make_replicas_identical
+from lightning_hybrid.strategies._checks import refuse_aliased_parameters
+from lightning_hybrid.strategies._counted_loss import CountedLoss, counted_loss
+from lightning_hybrid.strategies._fsdp import ShardingPlan, UnitGradients, check_fully_shardable, shard_fully
 from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync
 from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
-from lightning_hybrid.strategies._layout import Layout, PipelineSplit, ZeroConfig
+from lightning_hybrid.strategies._layout import SCHEDULES, Layout, PipelineSplit, ZeroConfig
 from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
 from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module, stage_ranges
 from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
@@ -43,6 +46,7 @@ class Prepared:
     sync: GradientSync
     checkpoint_names: CheckpointNames  # where checkpoints store tied parameters
     pretrained_bytes_read: int
+    counted: CountedLoss | None  # the loss is a mean over pipeline_loss_count elements
 
 
 def prepare_module(
@@ -78,6 +82,9 @@ def prepare_module(
             " block by block would untie them. Build the model normally (the strategy keeps tied parameters"
             " tied across pipeline stages), or tie the weights after the strategy set it up."
         )
+    refuse_aliased_parameters(module, layout.zero_stage)  # on the whole module: every rank refuses alike
+    if layout.zero_stage == 3:
+        check_fully_shardable(module)
     ties = find_ties(module)
     stage_ids: list[int] = []
     stages: list[nn.Module] = []
@@ -111,12 +118,16 @@ def prepare_module(
         )
     module = precision_plugin.convert_module(module)
     module.to(device)
+    make_replicas_identical(module, mesh.get_group(DP_AXIS))  # as DDP does when it wraps the model
+    units = None
     if layout.zero_stage == 3:
         shard_fully(module, stages=stages, plan=plan)
+        units = UnitGradients(module, mesh.get_group(DP_AXIS))
     bytes_read = 0
     if pretrained is not None:
         bytes_read = agreed_load(module, *pretrained, device)
         log.info(f"[rank {rank}] init_from: read {bytes_read / 2**20:.1f} MiB")
+    counted = counted_loss(module, device)
     runner = None
     if stages:
         runner = PipelineRunner(
@@ -127,6 +138,7 @@ def prepare_module(
             device=device,
             group=mesh.get_group(PP_AXIS),
             loss_scaling=loss_scaling,
+            counted=counted,
         )
     sync = gradient_sync(
         layout.zero_stage,
@@ -135,5 +147,9 @@ def prepare_module(
         data_parallel_group=mesh.get_group(DP_AXIS),
         pipeline_group=mesh.get_group(PP_AXIS),
         ties=TiedGradients(ties, module, ranges=ranges, layout=layout, mesh=mesh, device=device),
+        units=units,
     )
-    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read)
+    if runner is not None:  # the schedule runs the stages' backward passes
+        deferred = SCHEDULES[layout.schedule].splits_weight_grad
+        sync.watch_pipeline(stages, weight_gradients_deferred=deferred, inferring=lambda: runner.inferring)
+    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted)

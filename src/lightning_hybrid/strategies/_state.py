@@ -11,28 +11,29 @@ The folder format itself (files, manifest, safe reading) is ``lightning_hybrid.c
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.optim import Optimizer
 
-from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._protocols import ShardedCheckpointing
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import (
+    GROUP_INDEX,
     LAYOUT_KEY,
     read_meta,
     read_sharded,
@@ -67,9 +68,90 @@ def optimizer_state(
     module: nn.Module, optimizer: Optimizer, sync: GradientSync, names: CheckpointNames
 ) -> dict[str, Any]:
     sharded = sync.sharded_optimizer(optimizer)
-    if sharded is not None:
-        return names.to_store(sharded.flat_state_dict())
-    return names.to_store(get_optimizer_state_dict(module, optimizer, options=_FLAT))
+    flat = (
+        sharded.flat_state_dict() if sharded is not None else get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    )
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    for index, group in enumerate(optimizer.param_groups):  # the model's parameters, outside the step
+        for p in group["params"]:
+            if id(p) in name_of:
+                flat[f"param_groups.{name_of[id(p)]}.{GROUP_INDEX}"] = index
+    return names.to_store(flat)
+
+
+def restore_added_groups(
+    path: Path, saved: Mapping[str, Any], module: nn.Module, optimizers: list[Optimizer], names: CheckpointNames
+) -> dict[int, set[int]]:
+    """Rebuild the param groups the checkpoint's run added after set-up (their index is past this run's
+    groups), each from this rank's own parameters with the group's settings as the checkpoint holds them;
+    their parameters are made trainable, as whatever added them made them. One read of the groups' records.
+    An added group this stage holds no parameter of becomes an empty group at its index; returns those
+    (``id`` of the group dict, per optimizer index), whose settings :func:`align_added_groups` fills in."""
+    placeholders: dict[int, set[int]] = {}
+    if not any(k.endswith("." + GROUP_INDEX) for k in saved):
+        return placeholders  # written before groups were recorded, or by the other engine (same on every rank)
+    local = {names.stored_key(n): n for n, _ in module.named_parameters()}
+    wanted: dict[str, Any] = {}
+    for idx, _ in enumerate(optimizers):
+        prefix = f"optimizer_{idx}.param_groups."
+        for key, meta in saved.items():
+            stored = key[len(prefix) :].rpartition(".")[0] if key.startswith(prefix) else None
+            if stored in local and isinstance(meta, BytesStorageMetadata):
+                wanted[key] = None
+    read_sharded(path, wanted)  # every rank takes part (DCP's read is collective), with its own names
+    params = dict(module.named_parameters())
+    for idx, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_{idx}.param_groups."
+        settings: dict[str, dict[str, Any]] = {}
+        for key, value in wanted.items():
+            if key.startswith(prefix):
+                stored, _, setting = key[len(prefix) :].rpartition(".")
+                settings.setdefault(local[stored], {})[setting] = value
+        added: dict[int, list[str]] = {}
+        for name, entries in settings.items():
+            index = entries.get(GROUP_INDEX)
+            if isinstance(index, int) and index >= len(optimizer.param_groups):
+                added.setdefault(index, []).append(name)
+        for index in sorted(added):
+            while len(optimizer.param_groups) < index:  # an earlier added group without a parameter here
+                optimizer.add_param_group({"params": []})
+                placeholders.setdefault(idx, set()).add(id(optimizer.param_groups[-1]))
+            members = [params[n] for n in added[index]]
+            first = {k: v for k, v in settings[added[index][0]].items() if k != GROUP_INDEX}
+            for p in members:
+                p.requires_grad_(True)
+            optimizer.add_param_group({**first, "params": members})
+    return placeholders
+
+
+def align_added_groups(optimizer: Optimizer, *, device: torch.device, refresh: Collection[int] = ()) -> None:
+    """A callback that adds a param group over part of the model (``BackboneFinetuning``'s backbone) adds it
+    only on the pipeline stages that hold that part. The other stages get an empty group at the same index
+    with the same settings, so that the callback's later changes by position (``param_groups[-1]["lr"] *=
+    ...``) land on its own group on every stage, as in one process, instead of on another group. Groups in
+    ``refresh`` (empty groups a resume put at their index) take their settings from a stage that holds the
+    group's parameters. One all-reduce; the settings are gathered only when something differs."""
+    groups = optimizer.param_groups
+    n, stale = len(groups), any(id(g) in refresh for g in groups)
+    most, least, any_stale = agree([float(n), float(-n), float(stale)], op="max", device=device)
+    if (most == -least and not any_stale) or not dist.is_initialized():
+        return
+    mine = [(_settings(g), bool(g["params"]) and id(g) not in refresh) for g in groups]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    for i in range(int(most)):
+        candidates = [ranks_groups[i] for ranks_groups in gathered if i < len(ranks_groups)]
+        settings = next((s for s, held in candidates if held), candidates[0][0])
+        settings = {k: v.to(device) if isinstance(v, Tensor) and v.device.type == device.type else v
+                    for k, v in settings.items()}  # fmt: skip
+        if i >= n:
+            optimizer.add_param_group({**settings, "params": []})
+        elif id(groups[i]) in refresh:
+            groups[i].update(settings)
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}  # names are per stage
 
 
 class ShardedCheckpointIO:
@@ -124,9 +206,12 @@ def load_sharded_checkpoint(
     *,
     strict: bool,
     device: torch.device,
+    restore_groups: bool = True,
 ) -> dict[str, Any]:
     """Load model (and, when ``optimizers`` are given, optimizer) state from ``path`` into this rank's layout,
-    in place. Returns the rest of the checkpoint (``meta.pt``)."""
+    in place; with ``restore_groups`` the param groups the checkpoint's run added during training are rebuilt
+    first (a resume; not a roll-back inside a run, which keeps its groups). Returns the rest of the checkpoint
+    (``meta.pt``)."""
     if not (path / DCP_METADATA).is_file():
         raise FileNotFoundError(
             f"{path} is not a sharded checkpoint written by HybridParallelStrategy (no {DCP_METADATA} file); it may"
@@ -161,8 +246,21 @@ def load_sharded_checkpoint(
     if problem:
         raise KeyError(problem)
     to_load: dict[str, Any] = {"state_dict": {k: v for k, v in current.items() if k not in missing}}
+    if optimizers and restore_groups:
+        problem, placeholders = None, {}
+        try:
+            placeholders = restore_added_groups(path, saved, module, optimizers, names)
+        except Exception as exc:  # every rank stops together, none waits in the read below
+            problem = f"cannot rebuild the param groups {path} records: {type(exc).__name__}: {exc}"
+        problem = agreed_problem(problem, device=device)
+        if problem:
+            raise RuntimeError(problem)
+        # before any callback hook of the resumed run changes a group by its position
+        for idx, optimizer in enumerate(optimizers):
+            align_added_groups(optimizer, device=device, refresh=placeholders.get(idx, ()))
     templates = {}
     for idx, optimizer in enumerate(optimizers):
+        sync.adopt_param_groups(optimizer)
         sharded = sync.sharded_optimizer(optimizer)
         template = _optimizer_template(module, optimizer, sharded, saved, f"optimizer_{idx}", names)
         if template[0]:
@@ -179,12 +277,48 @@ def load_sharded_checkpoint(
             sharded.load_parameters_into_shards()
             sharded.load_flat_state_dict(local)
         else:
-            set_optimizer_state_dict(module, optimizers[idx], local, options=_FLAT)
+            _load_unsharded_optimizer(module, optimizers[idx], local)
     for optimizer in optimizers:
         sharded = sync.sharded_optimizer(optimizer)
         if sharded is not None:
             sharded.load_parameters_into_shards()
     return meta
+
+
+def _load_unsharded_optimizer(module: nn.Module, optimizer: Optimizer, loaded: dict[str, Any]) -> None:
+    """Load DCP's flat, name-keyed optimizer state into a plain (or FSDP2) optimizer, per parameter: one the
+    checkpoint holds no state for (never stepped: BERT's pooler, an expert no batch reached) starts fresh, as it
+    would in one process, and a param group may be empty on this stage (torch 2.13's own unflattening fails on
+    both). The groups keep this run's parameters and take the checkpoint's settings."""
+    current = get_optimizer_state_dict(module, optimizer, options=_FLAT)  # the names torch gives each parameter
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    by_name: dict[str, dict[str, dict[str, Any]]] = {"state": {}, "param_groups": {}}
+    for key, value in loaded.items():
+        section, _, rest = key.partition(".")
+        name, _, entry = rest.rpartition(".")
+        if section in by_name:
+            by_name[section].setdefault(name, {})[entry] = value
+    state: dict[int, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    index = 0
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        ids = []
+        for p in group["params"]:
+            candidates = names.get(id(p), [])
+            name = next(
+                (n for n in candidates if f"param_groups.{n}.lr" in current), candidates[0] if candidates else ""
+            )
+            if by_name["state"].get(name):
+                state[index] = dict(by_name["state"][name])
+            if name in by_name["param_groups"]:
+                settings.update({k: v for k, v in by_name["param_groups"][name].items() if k != GROUP_INDEX})
+            ids.append(index)
+            index += 1
+        groups.append({**settings, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _optimizer_template(

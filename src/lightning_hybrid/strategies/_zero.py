@@ -1,10 +1,15 @@
 """ZeRO-1 / ZeRO-2 for plain (replicated) parameters: optimizer state sharded over the data-parallel group.
 
-Each parameter group of the user's optimizer is flattened into one buffer, padded to a multiple of the
-data-parallel size; rank ``r`` owns the contiguous slice ``r``. The optimizer object keeps its identity (LR
-schedulers and Lightning hold references to it) but its groups then hold a single shard parameter, so
-optimizer state is allocated for ``1/N`` of the parameters (ZeRO-1). With ZeRO-2 the gradients are
-reduce-scattered instead of all-reduced and the full gradients are freed before the step.
+The parameters of each parameter group (one flat group per dtype and device in it) are moved into one
+buffer, padded to a multiple of the data-parallel size; rank ``r`` owns the contiguous slice ``r``. The
+optimizer object keeps its identity and its groups keep the model's parameters, so LR schedulers and
+callbacks that read or change param groups (``BackboneFinetuning``, ``LearningRateMonitor``, SWA) see what
+they would see without ZeRO. Only from the end of a window's backward to the end of the optimizer step
+(:meth:`FlatShardedOptimizer.swap_in`) do the groups hold this rank's *chunks*: views of its slice cut at
+parameter boundaries, so optimizer state is allocated for ``1/N`` of the parameters, is kept per parameter
+(its own ``step``), and a parameter no rank produced a gradient for is not stepped, as in one process. A
+group added after set-up (``optimizer.add_param_group``) is flattened and sharded at the next step, and
+``optimizer.zero_grad()`` discards the gradients wherever ZeRO holds them.
 
 Element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...) are exact on a shard; an optimizer that
 needs whole-tensor norms is told which tensor each element of its chunks belongs to
@@ -14,11 +19,12 @@ set-up (``lightning_hybrid.optim._shardable``).
 Checkpoints keep the layout-free, name-keyed form (one entry per parameter, of the parameter's shape), but
 each rank contributes only its slice: a rank's flat range of a parameter is cut into boxes (each contiguous,
 so each is a view) and handed to torch DCP as a :class:`FlatShard`. Saving gathers nothing; loading into
-any other layout reads, on each rank, only the boxes it owns there.
+any other layout reads, on each rank, only the boxes it owns.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +34,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_index, view_boxes
+from lightning_hybrid.checkpoint._sharded import GROUP_INDEX
 from lightning_hybrid.optim.layerwise import TensorPartition
-from lightning_hybrid.strategies._zero_grads import BucketGradients, FlatGradients, GroupGradients, WindowGradients
+from lightning_hybrid.strategies._zero_grads import (
+    BucketGradients,
+    BucketQueue,
+    FlatGradients,
+    GroupGradients,
+    WindowGradients,
+)
 
 __all__ = ["FlatShardedOptimizer"]
 
@@ -38,19 +51,26 @@ STEP_CHUNK_NUMEL = 2**21
 
 
 @dataclass
+class _Chunk:
+    """What the optimizer steps: elements ``start:stop`` of this rank's slice, all of parameter ``index``."""
+
+    index: int
+    start: int
+    stop: int
+    tensor: nn.Parameter
+
+
+@dataclass
 class _FlatGroup:
+    settings: dict[str, Any]  # the user's param group (its "params" are swapped while stepping)
     params: list[nn.Parameter]
     names: list[str]
     offsets: list[int]
     flat: Tensor  # the parameters' storage, padded to a multiple of the group size
     shard: nn.Parameter  # this rank's slice of `flat`
     grads: GroupGradients  # where the gradients live and how they reach `shard.grad`
-    chunks: list[nn.Parameter]  # what the optimizer steps: views of `shard`, at most a bucket each
-    slices: list[slice]  # each chunk's range of `shard`
-
-    @property
-    def padded_numel(self) -> int:
-        return self.flat.numel()
+    chunks: list[_Chunk]
+    gather: list[slice]  # the slice gathered back after the step, in bounded pieces
 
     @property
     def shard_numel(self) -> int:
@@ -69,124 +89,289 @@ class FlatShardedOptimizer:
         zero_stage: int,
         reduce_gradients: str = "every_microbatch",
         bucket_numel: int = 2**22,
+        queue: BucketQueue | None = None,
     ) -> None:
         assert zero_stage in (1, 2), zero_stage  # the layout validated it
         fresh_adagrad = isinstance(optimizer, torch.optim.Adagrad) and all(
             float(s.get("step", 0)) == 0 for s in optimizer.state.values()
         )
-        if fresh_adagrad:  # Adagrad creates its state in its constructor: created again below, for the chunks
+        if fresh_adagrad:  # Adagrad creates its state in its constructor: created again for the chunks
             optimizer.state.clear()
         elif optimizer.state:
             raise RuntimeError("the optimizer already has state; shard it before the first step")
         self.optimizer = optimizer
         self.group = group
-        self.zero_stage = zero_stage
+        self.zero_stage, self.reduce_mode, self.bucket_numel = zero_stage, reduce_gradients, bucket_numel
+        self.queue = queue if queue is not None else BucketQueue()
+        self.names = names
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.groups: list[_FlatGroup] = []
-        for pg in optimizer.param_groups:
-            params = [p for p in pg["params"] if p.requires_grad]
-            dtypes = {p.dtype for p in params}
-            if len(dtypes) > 1:
-                raise TypeError(f"zero_stage {zero_stage} needs one dtype per parameter group, got {dtypes}")
-            offsets, total = [], 0
-            for p in params:
-                offsets.append(total)
-                total += p.numel()
-            padded = -(-max(total, 1) // self.world) * self.world
-            shard_numel = padded // self.world
-            # the parameters become views of one flat buffer and the shard is a view of that buffer too:
-            # the optimizer updates the model's own memory, no second copy of the weights exists
-            flat = self._flatten(params, offsets, padded)
-            shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel])
-            # the optimizer steps the shard in chunks: an optimizer's temporaries (Adam's denominator, ...) are
-            # then the size of a chunk, not of the shard
-            step = min(bucket_numel, STEP_CHUNK_NUMEL)
-            slices = [slice(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
-            chunks = [nn.Parameter(shard.data[sl]) for sl in slices]
-            grads = _gradients(zero_stage, reduce_gradients, params, offsets, padded, group, bucket_numel)
-            self.groups.append(
-                _FlatGroup(params, [names[p] for p in params], offsets, flat, shard, grads, chunks, slices)
-            )
-            pg["params"] = chunks
-            if fresh_adagrad:
-                for c in chunks:
-                    optimizer.state[c] = {
-                        "step": torch.zeros((), device=c.device) if pg.get("fused") else torch.tensor(0.0),
-                        "sum": torch.full_like(c, pg["initial_accumulator_value"]),
-                    }
-        # parameter name -> (its group, the parameter, its offset in the group's flat buffer)
-        self._where = {n: (g, p, off) for g in self.groups for p, n, off in zip(g.params, g.names, g.offsets)}
+        self._by_params: dict[tuple[int, ...], list[_FlatGroup]] = {}
+        self._adagrad = fresh_adagrad
+        self._where: dict[str, tuple[_FlatGroup, int]] = {}
         self._templates: dict[tuple[int, str, torch.dtype], Tensor] = {}  # shared loading buffers
+        self._stepping = False
+        # between a pipeline's backward (inside training_step) and Lightning's backward call, Lightning's
+        # zero_grad at a window's first batch must not discard the gradients the schedule just produced
+        self.hold = False
+        self._zero_grad = optimizer.zero_grad
+        # the optimizer's zero_grad discards the flat buffers and buckets too (set on the instance: the optimizer
+        # keeps its class and identity; Lightning and user code call it as before)
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        self.sync_groups()
 
-    @staticmethod
-    @torch.no_grad()
-    def _flatten(params: list[nn.Parameter], offsets: list[int], padded: int) -> Tensor:
-        """One buffer holding every parameter; each parameter's own storage is freed as soon as it is copied
-        (the buffer's untouched pages cost nothing until then), so the model is not held twice."""
-        ref = params[0] if params else torch.empty(0)
-        out = torch.empty(padded, dtype=ref.dtype, device=ref.device)
-        end = offsets[-1] + params[-1].numel() if params else 0
-        out[end:].zero_()  # the padding
-        for p, off in zip(params, offsets):
-            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = out[off : off + p.numel()].view_as(p)
-        return out
+    # ------------------------------------------------------------------------------------------- groups
 
-    def _shard_slice(self, g: _FlatGroup) -> slice:
-        return slice(self.rank * g.shard_numel, (self.rank + 1) * g.shard_numel)
+    def sync_groups(self) -> bool:
+        """Take charge of param groups added since the last call (flattened and sharded now). Returns whether
+        any was added. A group whose parameters changed in place cannot be resharded and is refused."""
+        added = False
+        seen: set[int] = set()
+        for pg in self.optimizer.param_groups:
+            key = tuple(id(p) for p in pg["params"])
+            flat_groups = self._by_params.get(key)
+            if flat_groups is None:
+                clash = [
+                    self.names.get(p, "?") for p in pg["params"] if any(p is q for g in self.groups for q in g.params)
+                ]
+                if clash:
+                    raise RuntimeError(
+                        f"A param group now holds {clash[:3]}, which an earlier group held when the strategy sharded"
+                        " the optimizer: under zero_stage 1/2 a parameter's group cannot change after set-up. Add new"
+                        " parameters with optimizer.add_param_group(...) instead, or use zero_stage=0 or 3."
+                    )
+                flat_groups = self._add_group(pg)
+                self._by_params[key] = flat_groups
+                added = True
+            for g in flat_groups:
+                g.settings = pg  # a callback may have replaced the group's dict (BackboneFinetuning on resume)
+            seen.update(id(g) for g in flat_groups)
+        gone = [g for g in self.groups if id(g) not in seen]
+        if gone:
+            raise RuntimeError(
+                f"A param group holding {gone[0].names[:3]} was removed from the optimizer after the strategy"
+                " sharded it (zero_stage 1/2); freeze the parameters (requires_grad=False) instead."
+            )
+        return added
+
+    def _add_group(self, pg: dict[str, Any]) -> list[_FlatGroup]:
+        params = list(pg["params"])
+        unknown = [tuple(p.shape) for p in params if p not in self.names]
+        if unknown:
+            raise ValueError(
+                f"A param group holds parameters of shapes {unknown[:3]} that the module did not have when the"
+                " strategy sharded the optimizer (zero_stage 1/2 shards the module's own parameters only). Create"
+                " them in the module before fit (frozen until needed, if they are added later), or use"
+                " zero_stage=0 or 3."
+            )
+        kinds: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in params:  # one flat buffer per dtype and device (a bf16 parameter beside fp32 ones)
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+        made = []
+        for (dtype, device), members in kinds.items():
+            g = self._flat_group(pg, members, dtype, device)
+            self.groups.append(g)
+            made.append(g)
+            for i, name in enumerate(g.names):
+                self._where[name] = (g, i)
+        return made
+
+    def _flat_group(
+        self, pg: dict[str, Any], params: list[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> _FlatGroup:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        padded = -(-max(total, 1) // self.world) * self.world
+        shard_numel = padded // self.world
+        # the parameters become views of one flat buffer and the shard is a view of that buffer too: the
+        # optimizer updates the model's own memory, no second copy of the weights exists
+        flat = _flatten(params, offsets, padded, dtype, device)
+        shard = nn.Parameter(flat[self.rank * shard_numel : (self.rank + 1) * shard_numel], requires_grad=True)
+        # chunks: this rank's range of each parameter, in pieces of a bounded size (an optimizer's temporaries,
+        # Adam's denominator, are then a chunk, not the shard)
+        step = min(self.bucket_numel, STEP_CHUNK_NUMEL)
+        base = self.rank * shard_numel
+        chunks = []
+        for i, (p, off) in enumerate(zip(params, offsets)):
+            lo, hi = max(off, base), min(off + p.numel(), base + shard_numel)
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                chunks.append(_Chunk(i, a - base, b - base, nn.Parameter(shard.data[a - base : b - base])))
+        gather = [slice(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
+        grads = self._gradients(params, offsets, padded, dtype, device)
+        names = [self.names[p] for p in params]
+        if self._adagrad:
+            for c in chunks:
+                self.optimizer.state[c.tensor] = {
+                    "step": torch.zeros((), device=device) if pg.get("fused") else torch.tensor(0.0),
+                    "sum": torch.full_like(c.tensor, pg["initial_accumulator_value"]),
+                }
+        return _FlatGroup(pg, params, names, offsets, flat, shard, grads, chunks, gather)
+
+    def _gradients(
+        self, params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
+    ) -> GroupGradients:
+        kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device}
+        if self.zero_stage == 1:
+            return FlatGradients(params, offsets, padded, **kwargs)
+        if self.reduce_mode == "once_per_step":
+            return WindowGradients(params, offsets, padded, **kwargs)
+        return BucketGradients(params, offsets, padded, bucket_numel=self.bucket_numel, queue=self.queue, **kwargs)
+
+    def swap_in(self) -> None:
+        """From the end of the window's backward to the end of the step: the param groups hold this rank's
+        chunks (what the precision plugin unscales and clips, what the optimizer steps)."""
+        if self._stepping:
+            return
+        self._stepping = True
+        for settings, groups in self._settings():
+            settings["params"] = [c.tensor for g in groups for c in g.chunks]
+
+    def swap_out(self) -> None:
+        """The rest of the time: the model's own parameters (callbacks and LR schedulers see them)."""
+        if not self._stepping:
+            return
+        for settings, groups in self._settings():
+            settings["params"] = [p for g in groups for p in g.params]
+        self._stepping = False
+
+    def _settings(self) -> list[tuple[dict[str, Any], list[_FlatGroup]]]:
+        out: dict[int, tuple[dict[str, Any], list[_FlatGroup]]] = {}
+        for g in self.groups:
+            out.setdefault(id(g.settings), (g.settings, []))[1].append(g)
+        return list(out.values())
 
     def tensor_partition(self) -> TensorPartition:
         """Which model tensor each element of each stepped chunk belongs to (for per-tensor norms)."""
         segments: dict[Tensor, list[tuple[int, int, int]]] = {}
         first = 0
         for g in self.groups:
-            base = self.rank * g.shard_numel
-            numels = [p.numel() for p in g.params]
-            chunks = [(c, base + sl.start) for c, sl in zip(g.chunks, g.slices)]
-            segments.update(TensorPartition.of_flat_ranges(chunks, g.offsets, numels, first))
+            for c in g.chunks:
+                segments[c.tensor] = [(first + c.index, 0, c.stop - c.start)]
             first += len(g.params)
         return TensorPartition(segments, first, self.group)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: discard the window's gradients wherever they are held (the flat buffers,
+        ZeRO-2's buckets and shard gradients), as it would discard ``.grad`` without ZeRO."""
+        if self.hold:
+            return
+        for g in self.groups:
+            g.grads.clear()
+            for c in g.chunks:
+                c.tensor.grad = None
+        self._zero_grad(set_to_none)  # the .grad of what the groups hold now (a group not flattened yet too)
+
+    # ---------------------------------------------------------------------------------------- the step
+
     def after_backward(self) -> None:
-        """A backward (one micro-batch) finished: ZeRO-2 hands off what its hooks did not."""
+        """A backward (one micro-batch, or a pipeline schedule's) finished."""
         for g in self.groups:
             g.grads.after_backward()
 
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """The window closed: each rank's shard gets its slice of the replicas' mean gradient."""
+        """The window closed: each rank's shard gets its slice of the replicas' mean gradient; parameters no
+        rank produced a gradient for get none (not stepped). One small all-reduce checks that every rank
+        agrees on the groups and issued the same reductions; a second, only when some parameter went unused
+        on some rank, agrees on which."""
+        self.load_parameters_into_shards()  # a callback that rebound a parameter's .data: its values go back in
         for g in self.groups:
-            g.grads.reduce(g.shard)
+            g.grads.note_gradients()
+        used = [u for g in self.groups for u in g.grads.used]
+        n_params = len(used)
+        header = torch.tensor(
+            [
+                len(self.groups),
+                -len(self.groups),
+                n_params,
+                -n_params,
+                self.queue.signature,
+                -self.queue.signature,
+                int(self.queue.pending()),
+                int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
+            ],
+            dtype=torch.int64,
+            device=self._device,
+        )
+        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
+        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused = header.tolist()
+        if groups_max != -groups_min or params_max != -params_min:
+            raise RuntimeError(
+                "The data-parallel ranks hold different parameter groups for this optimizer"
+                f" ({-groups_min}..{groups_max} flat groups, {-params_min}..{params_max} parameters): a callback"
+                " changed the param groups on some ranks only. Change them on every rank."
+            )
+        if sig_max != -sig_min:
+            raise RuntimeError(
+                "The data-parallel ranks reduced different ZeRO-2 gradient buckets in this step (a backward that ran"
+                " on some ranks only). Use ZeroConfig(reduce_gradients='once_per_step')."
+            )
+        if pending:  # gradients that no backward boundary took (every rank flushes, so the order holds)
+            self.queue.end_backward()
+        for g in self.groups:
+            if g.params:
+                g.grads.reduce(g.shard)
+        if unused:
+            mask = torch.tensor(used, dtype=torch.uint8, device=self._device)
+            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
+            used = [bool(u) for u in mask.tolist()]
+        first = 0
+        for g in self.groups:
             grad = g.shard.grad
-            for chunk, sl in zip(g.chunks, g.slices):
-                chunk.grad = None if grad is None else grad[sl]
+            for c in g.chunks:
+                c.tensor.grad = None if grad is None or not used[first + c.index] else grad[c.start : c.stop]
+            for i, p in enumerate(g.params):
+                if not used[first + i]:
+                    p.grad = None  # as in one process: no gradient, not stepped
+            first += len(g.params)
+
+    @torch.no_grad()
+    def scale_gradients(self, scale: float) -> None:
+        """Multiply the reduced gradients by ``scale`` (ZeRO-1: the whole flat gradient, which param.grad shows)."""
+        for g in self.groups:
+            flat = getattr(g.grads, "flat", None) if isinstance(g.grads, FlatGradients) else None
+            if flat is not None:
+                flat.mul_(scale)
+            elif g.shard.grad is not None:
+                g.shard.grad.mul_(scale)
+
+    @property
+    def _device(self) -> torch.device:
+        # where the backend communicates: gloo on the host, NCCL on the parameters' device
+        if str(dist.get_backend(self.group)) == "gloo":
+            return torch.device("cpu")
+        return self.groups[0].flat.device if self.groups else torch.device("cpu")
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Write every rank's updated shard back into the full parameters (one all-gather per chunk: what is
-        sent is a copy of one chunk, as an input may not alias the output)."""
+        """Write every rank's updated shard back into the full parameters (one all-gather per piece: what is
+        sent is a copy of one piece, as an input may not alias the output)."""
         for g in self.groups:
+            if not g.params:
+                continue
             size = g.shard_numel
             base = self.rank * size
-            for sl in g.slices:
+            for sl in g.gather:
                 outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
                 dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
             g.grads.after_step(g.shard)
-            for chunk in g.chunks:
-                chunk.grad = None
+            for c in g.chunks:
+                c.tensor.grad = None
 
     @property
     def averaged_every_backward(self) -> bool:
-        return all(g.grads.averaged_every_backward for g in self.groups)
+        return self.zero_stage == 2 and self.reduce_mode == "every_microbatch"  # the same on every stage
 
     def shard_gradient_parts(self, param: Tensor) -> list[Tensor]:
-        """The part of ``param``'s gradient in this rank's shard (views of ``shard.grad``; empty if none)."""
+        """The part of ``param``'s gradient in this rank's shard, as the optimizer steps it (empty if none)."""
         for g in self.groups:
-            for p, off in zip(g.params, g.offsets):
-                if p is param and g.shard.grad is not None:
-                    base = self.rank * g.shard_numel
-                    lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
-                    return [g.shard.grad[lo - base : hi - base]] if lo < hi else []
+            for i, p in enumerate(g.params):
+                if p is param:
+                    return [c.tensor.grad for c in g.chunks if c.index == i and c.tensor.grad is not None]
         return []
 
     def local_gradients(self) -> list[Tensor]:
@@ -211,22 +396,26 @@ class FlatShardedOptimizer:
         not depend on the ZeRO stage it was written with.
 
         A per-element state (Adam's moments) of a parameter is a :class:`FlatShard` of the parameter's shape
-        whose boxes are views of this rank's slice: no communication, no copy, and DCP writes each rank's
-        part from that rank (and reshards it into any other layout on load)."""
+        whose boxes are views of this rank's chunks: no communication, no copy, and DCP writes each rank's
+        part from that rank (and reshards it into any other layout on load). A parameter's scalars (its
+        ``step``) come from any of its chunks; a parameter never stepped has no state, as in one process."""
         out: dict[str, Any] = {}
-        for pg, g in zip(self.optimizer.param_groups, self.groups):
-            state = self.optimizer.state.get(g.chunks[0], {})
-            for key in sorted(state):
-                value = state[key]
-                if isinstance(value, Tensor) and value.numel() == g.chunks[0].numel() and value.dim() == 1:
-                    pieces = [(sl.start, self.optimizer.state[c][key]) for c, sl in zip(g.chunks, g.slices)]
-                    for p, name, off in zip(g.params, g.names, g.offsets):
-                        out[f"state.{name}.{key}"] = self._sharded_view(g, p, off, pieces)
-                else:  # per-group scalars (Adam's `step`) are the same for every parameter
-                    for name in g.names:
-                        out[f"state.{name}.{key}"] = value.clone() if isinstance(value, Tensor) else value
-            for key, value in pg.items():
-                if key != "params":
+        state = self.optimizer.state
+        for g in self.groups:
+            base = self.rank * g.shard_numel
+            for i, (p, name, off) in enumerate(zip(g.params, g.names, g.offsets)):
+                mine = [c for c in g.chunks if c.index == i and state.get(c.tensor)]
+                for key in sorted({k for c in mine for k in state[c.tensor]}):
+                    first = state[mine[0].tensor][key]
+                    if _per_element(first, mine[0]):
+                        boxes = []
+                        for c in mine:
+                            boxes += view_boxes(p.shape, base + c.start - off, state[c.tensor][key].reshape(-1))
+                        out[f"state.{name}.{key}"] = FlatShard(torch.Size(p.shape), first.dtype, boxes)
+                    else:
+                        out[f"state.{name}.{key}"] = first.clone() if isinstance(first, Tensor) else first
+            for key, value in g.settings.items():
+                if key not in ("params", "param_names"):
                     for name in g.names:
                         out[f"param_groups.{name}.{key}"] = value
         return out
@@ -236,9 +425,12 @@ class FlatShardedOptimizer:
         (and stage for a background save) a disjoint part each instead of all of it."""
         out: dict[str, FlatShard] = {}
         for g in self.groups:
-            local = g.flat[self._shard_slice(g)]
+            base = self.rank * g.shard_numel
+            local = g.shard.detach()
             for p, name, off in zip(g.params, g.names, g.offsets):
-                out[name] = self._sharded_view(g, p, off, [(0, local.detach())])
+                lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
+                boxes = view_boxes(p.shape, lo - off, local[lo - base : hi - base]) if lo < hi else []
+                out[name] = FlatShard(torch.Size(p.shape), p.dtype, boxes)
         return out
 
     def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype, key: str = "") -> FlatShard | None:
@@ -248,84 +440,131 @@ class FlatShardedOptimizer:
         state once, not once per parameter."""
         if name not in self._where:
             return None
-        g, p, off = self._where[name]
-        if tuple(shape) != tuple(p.shape) or p.dim() == 0:
+        g, i = self._where[name]
+        p, off = g.params[i], g.offsets[i]
+        if tuple(shape) != tuple(p.shape):
             return None
         slot = (id(g), key, dtype)
         local = self._templates.get(slot)
         if local is None:
-            local = torch.empty(g.shard_numel, dtype=dtype, device=g.shard.device)
+            local = torch.zeros(g.shard_numel, dtype=dtype, device=g.shard.device)
             self._templates[slot] = local
-        return self._sharded_view(g, p, off, [(0, local)])
+        base = self.rank * g.shard_numel
+        lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
+        boxes = view_boxes(p.shape, lo - off, local[lo - base : hi - base]) if lo < hi else []
+        return FlatShard(torch.Size(p.shape), dtype, boxes)
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
         """Inverse of :meth:`flat_state_dict`; each rank keeps its own slice (no communication). Values may be
-        this rank's :class:`FlatShard` parts (see :meth:`state_template`) or full tensors."""
-        self._templates.clear()  # the values below are views of them until copied into each group's state
-        for pg, g in zip(self.optimizer.param_groups, self.groups):
-            first = g.names[0]
-            prefix = f"param_groups.{first}."
-            for key, value in flat.items():
-                if key.startswith(prefix):
-                    pg[key[len(prefix) :]] = value
-            state_keys = {k[len(f"state.{first}.") :] for k in flat if k.startswith(f"state.{first}.")}
-            states: list[dict[str, Any]] = [{} for _ in g.chunks]
-            for key in state_keys:
-                value = flat[f"state.{first}.{key}"]
-                if isinstance(value, FlatShard) or (
-                    isinstance(value, Tensor) and value.shape == g.params[0].shape and value.dim() > 0
-                ):
-                    local = self._local_slice(g, [flat[f"state.{name}.{key}"] for name in g.names])
-                    for state, sl in zip(states, g.slices):
-                        state[key] = local[sl]  # each chunk's state is a view of this rank's slice
-                else:
-                    for state in states:
-                        state[key] = value.clone() if isinstance(value, Tensor) else value
-            for chunk, state in zip(g.chunks, states):
-                self.optimizer.state[chunk] = state
+        this rank's :class:`FlatShard` parts (see :meth:`state_template`; a chunk's state is then a view of the
+        shared loading buffer, so the state is held once) or full tensors. The state is taken per parameter:
+        a parameter the checkpoint holds no state for starts fresh, as it would in one process."""
+        by_name: dict[str, dict[str, dict[str, Any]]] = {"state": {}, "param_groups": {}}
+        for k, v in flat.items():
+            section, _, rest = k.partition(".")
+            name, _, key = rest.rpartition(".")
+            if section in by_name:
+                by_name[section].setdefault(name, {})[key] = v
+        scalar_keys = self._scalar_keys(by_name["state"])
+        for g in self.groups:
+            # the group's settings, from any of its parameters the checkpoint knows
+            found = next((by_name["param_groups"][n] for n in g.names if n in by_name["param_groups"]), None)
+            if found:
+                g.settings.update({k: v for k, v in found.items() if k != GROUP_INDEX})
+            base = self.rank * g.shard_numel
+            for i, (p, name, off) in enumerate(zip(g.params, g.names, g.offsets)):
+                entries = by_name["state"].get(name, {})
+                for c in (c for c in g.chunks if c.index == i):
+                    state: dict[str, Any] = {}
+                    for key, value in entries.items():
+                        shaped = isinstance(value, (Tensor, FlatShard)) and tuple(value.shape) == tuple(p.shape)
+                        if shaped and (p.dim() > 0 or key not in scalar_keys):  # per element
+                            buffer = self._templates.get((id(g), f"state.{key}", value.dtype))
+                            if isinstance(value, FlatShard) and buffer is not None:
+                                state[key] = buffer[c.start : c.stop]  # read there in place
+                            else:
+                                state[key] = _piece(value, p, base + c.start - off, c.stop - c.start)
+                        elif isinstance(value, FlatShard):  # a 0-dim parameter's scalar, read as a box
+                            state[key] = _placed(key, value.boxes[0][1], c.tensor, g.settings) if value.boxes else value
+                        else:
+                            state[key] = _placed(key, value, c.tensor, g.settings)
+                    if state:
+                        self.optimizer.state[c.tensor] = state
+                    else:
+                        self.optimizer.state.pop(c.tensor, None)
+        self._templates.clear()
 
-    def _local_slice(self, g: _FlatGroup, values: list[Any]) -> Tensor:
-        """This rank's flat slice of a per-element state, from each parameter's full tensor or local boxes."""
-        dtype = next(v.dtype for v in values)
-        out = torch.zeros(g.shard_numel, dtype=dtype, device=g.shard.device)
-        base = self.rank * g.shard_numel
-        for value, p, off in zip(values, g.params, g.offsets):
-            if isinstance(value, FlatShard):
-                for offsets, box in value.boxes:
-                    begin = off + flat_index(p.shape, offsets) - base
-                    out[begin : begin + box.numel()].copy_(box.reshape(-1))
+    def _scalar_keys(self, states: dict[str, dict[str, Any]]) -> set[str]:
+        """State keys that are scalars per parameter (Adam's ``step``), told apart by the parameters that are
+        not 0-dim (for a 0-dim parameter, a moment and the step have the same shape)."""
+        keys: set[str] = set()
+        for name, entries in states.items():
+            where = self._where.get(name)
+            if where is None or where[0].params[where[1]].dim() == 0:
                 continue
-            lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
-            if lo < hi:
-                out[lo - base : hi - base].copy_(value.reshape(-1)[lo - off : hi - off])
-        return out
-
-    def _sharded_view(self, g: _FlatGroup, p: Tensor, off: int, pieces: list[tuple[int, Tensor]]) -> FlatShard:
-        """Parameter ``p``'s elements (``off`` in the group's flat buffer) of this rank's slice of a flat
-        per-element state, held as ``pieces`` ``(start in the slice, tensor)``, as a FlatShard of ``p``'s shape
-        (boxes are views of the pieces)."""
-        base = self.rank * g.shard_numel
-        boxes = []
-        for start, local in pieces:
-            lo = max(off, base + start)
-            hi = min(off + p.numel(), base + start + local.numel())
-            if lo < hi:
-                boxes += view_boxes(p.shape, lo - off, local[lo - base - start : hi - base - start])
-        return FlatShard(torch.Size(p.shape), pieces[0][1].dtype, boxes)
+            shape = tuple(where[0].params[where[1]].shape)
+            keys.update(
+                k for k, v in entries.items() if not isinstance(v, (Tensor, FlatShard)) or tuple(v.shape) != shape
+            )
+        return keys or {"step"}
 
 
-def _gradients(
-    zero_stage: int,
-    reduce_gradients: str,
-    params: list[nn.Parameter],
-    offsets: list[int],
-    padded: int,
-    group: dist.ProcessGroup,
-    bucket_numel: int,
-) -> GroupGradients:
-    if zero_stage == 1:
-        return FlatGradients(params, offsets, padded, group=group)
-    if reduce_gradients == "once_per_step":
-        return WindowGradients(params, offsets, padded, group=group)
-    return BucketGradients(params, offsets, padded, group=group, bucket_numel=bucket_numel)
+def _placed(key: str, value: Any, param: Tensor, group: dict[str, Any]) -> Any:
+    """A loaded scalar state where the optimizer keeps it (torch's own rule in ``Optimizer.load_state_dict``):
+    ``step`` on the host unless the group is ``capturable`` or ``fused`` (then float32 on the device), other
+    tensors on the parameter's device."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step":
+        if group.get("capturable") or group.get("fused"):
+            return value.to(dtype=torch.float32, device=param.device)
+        return value.clone()
+    dtype = param.dtype if value.is_floating_point() else value.dtype
+    return value.to(device=param.device, dtype=dtype, copy=True)
+
+
+def _per_element(value: Any, chunk: _Chunk) -> bool:
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == chunk.stop - chunk.start
+
+
+def _piece(value: Any, p: Tensor, start: int, numel: int) -> Tensor:
+    """Elements ``start:start+numel`` (row-major) of a per-element value of parameter ``p``: a full tensor
+    or this rank's FlatShard boxes. A fresh tensor, the chunk's own."""
+    if isinstance(value, FlatShard):
+        out = torch.empty(numel, dtype=value.dtype)
+        stop = start + numel
+        for offsets, box in value.boxes:
+            lo = flat_index(p.shape, offsets)
+            hi = lo + box.numel()
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                out[a - start : b - start].copy_(box.reshape(-1)[a - lo : b - lo])
+        return out.to(p.device)
+    return value.reshape(-1)[start : start + numel].clone().to(p.device)
+
+
+@torch.no_grad()
+def _flatten(
+    params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """One buffer holding every parameter; each parameter's own storage is freed as soon as it is copied
+    (the buffer's untouched pages cost nothing until then), so the model is not held twice. Non-contiguous
+    and channels_last parameters become contiguous views (their values, not their strides, are the model)."""
+    out = torch.empty(padded, dtype=dtype, device=device)
+    end = offsets[-1] + params[-1].numel() if params else 0
+    out[end:].zero_()  # the padding
+    for p, off in zip(params, offsets):
+        out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        p.data = out[off : off + p.numel()].view(p.shape)
+    return out
+
+
+def share_zero_grad(wrappers: Iterable[Any]) -> None:
+    """Lightning's ``LightningOptimizer`` copied its optimizer's attributes when it was made: the ``zero_grad``
+    a :class:`FlatShardedOptimizer` set on an optimizer since then is given to its wrapper too (what
+    ``self.optimizers()`` returns under manual optimization)."""
+    for wrapper in wrappers:
+        own = vars(wrapper.optimizer).get("zero_grad")
+        if own is not None:
+            wrapper.zero_grad = own

@@ -1,21 +1,29 @@
 """ZeRO-1/2 gradients: where they live and how they reach each rank's shard, without full copies.
 
-- ZeRO-1 (:class:`FlatGradients`): one persistent flat gradient buffer per parameter group; every
-  ``param.grad`` is a view of it (as DDP's ``gradient_as_bucket_view``), so backward accumulates in place
-  and the window's reduction is one in-place all-reduce. No step copies the gradients.
+- ZeRO-1 (:class:`FlatGradients`): one persistent flat gradient buffer per flat group; a parameter's
+  ``.grad`` is pointed at its part of it when backward first reaches the parameter (as DDP's
+  ``gradient_as_bucket_view``), so backward accumulates in place and the window's reduction is one
+  in-place all-reduce. No step copies the gradients.
 - ZeRO-2, ``reduce_gradients="every_microbatch"`` (:class:`BucketGradients`, DeepSpeed's choice): each
-  parameter's gradient is handed off as soon as backward accumulated it; when a bucket of consecutive
-  parameters is complete it is reduced to the ranks whose shards it covers and freed, so a rank never
-  holds more of the full gradient than the buckets still in flight. One reduction per micro-batch.
+  parameter's gradient is handed off into its bucket as soon as backward accumulated it; buckets are
+  reduced to the ranks whose shards they cover and freed, so a rank never holds more of the full gradient
+  than the buckets still waiting.
 - ZeRO-2, ``reduce_gradients="once_per_step"`` (:class:`WindowGradients`): the full gradient accumulates
   in a flat buffer allocated by the window's first gradient, is reduced slice by slice to the slices'
-  owners once when the window closes, and freed. Half the communication when accumulating (or
-  pipelining) many micro-batches, at the cost of holding the full gradient during the window.
+  owners once when the window closes, and freed.
 
-Every object exposes the same calls, made by :class:`FlatShardedOptimizer`: ``after_backward`` (end of
-each backward), ``reduce`` (the window closed: put the replicas' mean into ``shard.grad``) and
-``after_step``. The hooks that hand gradients off run inside backward, so every data-parallel rank must
-produce gradients for the same parameters in each backward (as DDP requires by default).
+Every rank must issue the same collectives in the same order, whatever its data made backward compute (a
+routed expert, a branch taken on some batches only). ZeRO-1 and ``once_per_step`` reduce only when the
+window closes, in a fixed order. ZeRO-2's buckets go through one :class:`BucketQueue` per stage: a fixed
+order over every bucket of every group; a bucket is reduced during backward only when it is complete *and*
+every bucket before it in that order was reduced, and at the end of each backward (an agreed boundary:
+the strategy's backward, or the end of a pipeline micro-batch's backward) every bucket not yet reduced is
+reduced, with zeros where this rank has nothing. So each backward reduces every bucket exactly once, in one
+order, on every rank; where parameters arrive late or never, only the overlap is lost.
+
+A parameter's gradient counts as produced when backward reached it (``used``); which parameters no rank
+produced a gradient for is agreed when the window closes (:class:`FlatShardedOptimizer`), and those are
+not stepped, as in one process.
 """
 
 from __future__ import annotations
@@ -29,26 +37,58 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["BucketGradients", "FlatGradients", "GroupGradients", "WindowGradients"]
+__all__ = ["BucketGradients", "BucketQueue", "FlatGradients", "GroupGradients", "WindowGradients"]
 
 
 class GroupGradients(ABC):
-    """The gradients of one flat parameter group (``params`` at ``offsets`` of a buffer of ``padded``)."""
+    """The gradients of one flat group: ``params`` at ``offsets`` of a buffer of ``padded`` elements."""
 
     averaged_every_backward = False  # whether the gradient is the replicas' mean after each backward
 
     def __init__(
-        self, params: list[nn.Parameter], offsets: list[int], padded: int, *, group: dist.ProcessGroup
+        self,
+        params: list[nn.Parameter],
+        offsets: list[int],
+        padded: int,
+        *,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.params, self.offsets, self.padded = params, offsets, padded
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard_numel = padded // self.world
-        ref = params[0]
-        self.dtype, self.device = ref.dtype, ref.device
+        self.dtype, self.device = dtype, device
+        self.used = [False] * len(params)  # this rank produced a gradient for it in this window
+        self.hooked: set[int] = set()
+        self.watch_trainable()
 
-    def after_backward(self) -> None:  # noqa: B027 (an optional hook: most subclasses have nothing to do)
-        """A backward (one micro-batch) finished."""
+    def watch_trainable(self) -> None:
+        """Hook the parameters that are trainable now (a parameter unfrozen later is hooked at the next step;
+        until then its gradient is collected when the window closes)."""
+        for i, p in enumerate(self.params):
+            if p.requires_grad and i not in self.hooked:
+                self._hook(i, p)
+                self.hooked.add(i)
+
+    @abstractmethod
+    def _hook(self, index: int, param: nn.Parameter) -> None: ...
+
+    def segment(self, flat: Tensor, index: int) -> Tensor:
+        off, p = self.offsets[index], self.params[index]
+        return flat[off : off + p.numel()]
+
+    def note_gradients(self) -> None:
+        """Gradients that reached ``.grad`` without the hooks (a schedule's own accumulation) count as produced."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self.used[i] = True
+
+    def after_backward(self) -> None:
+        """A backward (or a pipeline schedule's backwards) finished: gradients that are not in the buffer yet
+        (a schedule accumulated weight gradients itself) go there now, before ``zero_grad`` could unlink them."""
+        self.note_gradients()
 
     @abstractmethod
     def reduce(self, shard: nn.Parameter) -> None:
@@ -56,24 +96,41 @@ class GroupGradients(ABC):
 
     def after_step(self, shard: nn.Parameter) -> None:
         shard.grad = None
+        self.used = [False] * len(self.params)
+        self.watch_trainable()
 
     def local_gradients(self) -> list[Tensor]:
         """The gradient accumulated so far in the window, as this rank holds it (for the noise scale)."""
         return [p.grad for p in self.params if p.grad is not None]
 
+    def clear(self) -> None:
+        """``optimizer.zero_grad()``: every gradient of the window is discarded, wherever it is held."""
+        for p in self.params:
+            p.grad = None
+        self.used = [False] * len(self.params)
+
     # ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _adopt(self, flat: Tensor) -> None:
-        """Make ``flat`` hold every parameter's gradient: a gradient that is not a view of it (replaced by
-        someone) is copied in, a missing one (set to None: discarded) is zero; then views again."""
-        for p, off in zip(self.params, self.offsets):
-            segment = flat[off : off + p.numel()]
+    def _absorb(self, flat: Tensor, *, link_all: bool) -> None:
+        """Add every gradient that is not a view of ``flat`` (a schedule that accumulated weight gradients
+        itself) into it and make it a view. ``None`` only unlinks a gradient (Lightning's ``zero_grad`` between
+        a pipeline's backward and its own): the buffer keeps what accumulated; ``link_all`` links it again."""
+        for i, p in enumerate(self.params):
+            segment = self.segment(flat, i)
             if p.grad is None:
-                segment.zero_()
-            elif p.grad.data_ptr() != segment.data_ptr():
-                segment.copy_(p.grad.reshape(-1))
-            p.grad = segment.view_as(p)
+                if link_all:
+                    p.grad = segment.view_as(p)
+                continue
+            if p.grad.data_ptr() != segment.data_ptr():
+                segment.add_(p.grad.reshape(-1))
+                p.grad = segment.view_as(p)
+
+    def _strays(self, flat: Tensor | None) -> bool:
+        return any(
+            p.grad is not None and (flat is None or p.grad.data_ptr() != self.segment(flat, i).data_ptr())
+            for i, p in enumerate(self.params)
+        )
 
     def _shard_slice(self) -> slice:
         return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
@@ -83,13 +140,27 @@ class FlatGradients(GroupGradients):
     """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views; one in-place all-reduce."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
         super().__init__(*args, **kwargs)
-        self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self._adopt(self.flat)
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_hook(functools.partial(self._arriving, index))
+
+    def _arriving(self, index: int, grad: Tensor) -> Tensor:
+        # before backward accumulates: point .grad at the buffer, so it accumulates there in place
+        p = self.params[index]
+        if p.grad is None:
+            p.grad = self.segment(self.flat, index).view_as(p)
+        self.used[index] = True
+        return grad
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        self._absorb(self.flat, link_all=False)
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        self._adopt(self.flat)
+        self._absorb(self.flat, link_all=True)
         dist.all_reduce(self.flat, group=self.group)
         self.flat.div_(self.world)
         # the full averaged gradient stays visible in param.grad for hooks and callbacks
@@ -97,33 +168,49 @@ class FlatGradients(GroupGradients):
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
-        shard.grad = None
         self.flat.zero_()
-        self._adopt(self.flat)
+        for p in self.params:
+            p.grad = None
+        super().after_step(shard)
+
+    @torch.no_grad()
+    def clear(self) -> None:
+        self.flat.zero_()
+        super().clear()
 
 
 class WindowGradients(GroupGradients):
     """ZeRO-2, once per step: a flat buffer from the window's first gradient, reduce-scattered, freed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         self.flat: Tensor | None = None
-        for p in self.params:
-            # before the first accumulation of a window: give every gradient its place in one buffer, so
-            # backward accumulates in place and no step copies the gradients
-            p.register_hook(self._allocate)
+        super().__init__(*args, **kwargs)
 
-    def _allocate(self, grad: Tensor) -> Tensor:
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_hook(functools.partial(self._arriving, index))
+
+    def _arriving(self, index: int, grad: Tensor) -> Tensor:
+        # the window's first gradient allocates the buffer; each gradient accumulates in place there
         if self.flat is None:
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self._adopt(self.flat)
+        p = self.params[index]
+        if p.grad is None:
+            p.grad = self.segment(self.flat, index).view_as(p)
+        self.used[index] = True
         return grad
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        if self._strays(self.flat):
+            if self.flat is None:
+                self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            self._absorb(self.flat, link_all=False)
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        if self.flat is None:  # no gradient at all in this window
+        if self.flat is None:  # no gradient through the hooks in this window
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self._adopt(self.flat)
+        self._absorb(self.flat, link_all=False)
         # each rank's slice reduced to it in place (a reduce-scatter in N reductions: the same bytes on the wire,
         # and no backend-side copy of the whole buffer), then only this rank's slice is kept
         s = self.shard_numel
@@ -133,6 +220,10 @@ class WindowGradients(GroupGradients):
         for p in self.params:
             p.grad = None
         self.flat = None  # the full gradient is gone before the step
+
+    def clear(self) -> None:
+        self.flat = None
+        super().clear()
 
 
 @dataclass
@@ -145,33 +236,77 @@ class _Bucket:
     buffer: Tensor | None = None  # their gradients, from the first hand-off until the bucket is reduced
 
 
+class BucketQueue:
+    """The one order in which a stage's ZeRO-2 buckets are reduced, the same on every rank.
+
+    Buckets are ordered last-registered first (backward runs roughly in reverse). During a backward the
+    queue reduces the next bucket in that order as soon as it is complete; :meth:`end_backward` reduces
+    the rest. ``launch_in_backward=False`` (schedules that compute weight gradients outside autograd's
+    accumulation) reduces only at the boundaries.
+    """
+
+    def __init__(self, *, launch_in_backward: bool = True) -> None:
+        self.launch_in_backward = launch_in_backward
+        self._order: list[tuple[BucketGradients, _Bucket]] = []
+        self._next = 0  # the position in `_order` of the next bucket to reduce in this backward
+        self.signature = 0  # the sequence of reductions so far, as a number (checked across ranks)
+
+    def add(self, owner: BucketGradients, buckets: list[_Bucket]) -> None:
+        assert self._next == 0, "buckets are added between backward passes"
+        # later groups first, each group's buckets last first
+        self._order[:0] = [(owner, b) for b in reversed(buckets)]
+
+    def arrived(self) -> None:
+        if not self.launch_in_backward:
+            return
+        while self._next < len(self._order) and self._order[self._next][0].complete(self._order[self._next][1]):
+            self._launch()
+
+    def end_backward(self) -> None:
+        """A backward ended, at a point every rank agrees on: reduce every bucket not yet reduced in it."""
+        while self._next < len(self._order):
+            self._launch()
+        self._next = 0
+
+    def pending(self) -> bool:
+        """Whether this rank holds gradients no reduction has taken yet."""
+        return self._next > 0 or any(owner.holds(bucket) for owner, bucket in self._order)
+
+    def _launch(self) -> None:
+        owner, bucket = self._order[self._next]
+        owner.reduce_bucket(bucket)
+        self._next += 1
+        self.signature = (self.signature * 1_000_003 + self._next) % 2**31
+
+
 class BucketGradients(GroupGradients):
-    """ZeRO-2, every micro-batch: complete buckets are reduced to their shards' owners during backward."""
+    """ZeRO-2, every micro-batch: buckets reduced to their shards' owners during backward, in the queue's order."""
 
     averaged_every_backward = True
 
-    def __init__(self, *args: Any, bucket_numel: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # this rank's slice of the window's gradient: from the window's first reduction until the step
-        self.shard_grad: Tensor | None = None
+    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
+        self.queue = queue
         self.buckets: list[_Bucket] = []
         self._bucket_of: list[int] = []
+        # this rank's slice of the window's gradient: from the window's first reduction until the step
+        self.shard_grad: Tensor | None = None
+        params, offsets, padded = args[0], args[1], args[2]
+        world = dist.get_world_size(kwargs["group"])
         start, members = 0, []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+        for i, (p, off) in enumerate(zip(params, offsets)):
             members.append(i)
             self._bucket_of.append(len(self.buckets))  # the bucket being filled
             end = off + p.numel()
-            last = i == len(self.params) - 1
+            last = i == len(params) - 1
             if end - start >= bucket_numel or last:
-                hi = self.padded if last else end  # the padding belongs to the last bucket
-                self.buckets.append(_Bucket(start, hi, members, self._owners(start, hi)))
+                hi = padded if last else end  # the padding belongs to the last bucket
+                self.buckets.append(_Bucket(start, hi, members, _owners(start, hi, padded // world)))
                 start, members = end, []
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
+        super().__init__(*args, **kwargs)
+        queue.add(self, self.buckets)
 
-    def _owners(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
-        s = self.shard_numel
-        return [(r, max(lo, r * s), min(hi, (r + 1) * s)) for r in range(lo // s, (hi - 1) // s + 1)]
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
 
     @torch.no_grad()
     def _accumulated(self, index: int, param: Tensor) -> None:
@@ -179,13 +314,19 @@ class BucketGradients(GroupGradients):
         bucket = self.buckets[self._bucket_of[index]]
         self._hand_off(bucket, index)
         bucket.arrived.add(index)
-        if len(bucket.arrived) == len(bucket.members):
-            self._reduce_bucket(bucket)
+        self.queue.arrived()
+
+    def complete(self, bucket: _Bucket) -> bool:
+        return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
+
+    def holds(self, bucket: _Bucket) -> bool:
+        return bucket.buffer is not None or any(self.params[i].grad is not None for i in bucket.members)
 
     def _hand_off(self, bucket: _Bucket, index: int) -> None:
         p = self.params[index]
         if p.grad is None:
             return
+        self.used[index] = True
         if bucket.buffer is None:
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
         begin = self.offsets[index] - bucket.lo
@@ -193,7 +334,8 @@ class BucketGradients(GroupGradients):
         p.grad = None
 
     @torch.no_grad()
-    def _reduce_bucket(self, bucket: _Bucket) -> None:
+    def reduce_bucket(self, bucket: _Bucket) -> None:
+        """Reduce ``bucket`` to its owners (called by the queue, in its order)."""
         for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
             self._hand_off(bucket, i)
         if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
@@ -206,26 +348,33 @@ class BucketGradients(GroupGradients):
                 self._shard_grad()[lo - base : hi - base] += piece
         bucket.buffer, bucket.arrived = None, set()
 
-    def after_backward(self) -> None:
-        # buckets whose parameters did not all accumulate (unused ones, or a schedule that accumulated weight
-        # gradients itself) go now, in a fixed order, so every micro-batch's gradient is reduced before the next
-        for bucket in self.buckets:
-            if bucket.arrived or any(self.params[i].grad is not None for i in bucket.members):
-                self._reduce_bucket(bucket)
-
     def _shard_grad(self) -> Tensor:
         if self.shard_grad is None:
             self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         return self.shard_grad
 
     def reduce(self, shard: nn.Parameter) -> None:
-        self.after_backward()
+        # every bucket was reduced at the window's backward boundaries (the queue's owner made sure)
         shard.grad = self._shard_grad().div_(self.world)  # in place
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
         # freed, not zeroed: the next window allocates it at its first reduction, after the forward
-        shard.grad = self.shard_grad = None
+        self.shard_grad = None
+        super().after_step(shard)
 
     def local_gradients(self) -> list[Tensor]:
         return [self._shard_grad() / self.world]  # the replicas' mean so far (disjoint shards)
+
+    def clear(self) -> None:
+        # what was already reduced lives in the shard gradients of every rank (each its own slice): discarded
+        # on every rank alike, since zero_grad is called on every rank
+        self.shard_grad = None
+        for bucket in self.buckets:
+            bucket.buffer, bucket.arrived = None, set()
+        super().clear()
+
+
+def _owners(lo: int, hi: int, shard_numel: int) -> list[tuple[int, int, int]]:
+    s = shard_numel
+    return [(r, max(lo, r * s), min(hi, (r + 1) * s)) for r in range(lo // s, (hi - 1) // s + 1)]

@@ -17,6 +17,8 @@ from datetime import timedelta
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -27,10 +29,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._skip import skip_schedulers_when
+from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta
 from lightning_hybrid.strategies import _deepspeed_state as ds_state
+from lightning_hybrid.strategies._buffers import ReplicaBuffers
+from lightning_hybrid.strategies._checks import agreed_setup
+from lightning_hybrid.strategies._counted_loss import CountedLoss, counted_loss
 from lightning_hybrid.strategies._deepspeed_batch import loader_micro_batch, micro_batches, shapes
 from lightning_hybrid.strategies._deepspeed_build import build_pipeline, start_engine
 from lightning_hybrid.strategies._deepspeed_checks import optimizer_problem, refuse_unsupported
@@ -123,6 +129,14 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
         self._init_from: Union[PretrainedWeights, None] = init_from
         self._pp = self._dp = self._m = 0
+        self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
+        self._batch_count = 0.0
+        self._groups_at_setup: list[int] = []
+        self._used: set[int] = set()
+        self._watched: list[nn.Parameter] = []
+        self._loading = False
+        self._pretrained: Any = None  # init_from's source and plan, until DeepSpeed's master copy is filled
+        self._buffers: Union[ReplicaBuffers, None] = None
         self._engine: Any = None
         self._slots: list[ds_state.Slot] = []
         self._stepping = False  # the engine was built with an optimizer (for fit)
@@ -173,6 +187,10 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer state into DeepSpeed's partitions itself
 
+    def exact_window_means(self) -> bool:
+        """Whether each step is the exact mean over its window's counted elements (``pipeline_loss_count``)."""
+        return self._counted is not None
+
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout and either engine can load it)."""
         return {
@@ -190,6 +208,7 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group (gloo on CPU, NCCL on GPU)
+        wait_for_gloo_at_exit()  # a finished job exits 0, also when gloo's workers are late (see the function)
         self._pp, self._dp, self._m = resolve_sizes(
             world_size=self.world_size,
             num_nodes=self.num_nodes,
@@ -242,11 +261,19 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             problem = None
             try:
                 self._slots = ds_state.slots(module, self._engine) if fitting else []
+                if self._pretrained is not None:
+                    # DeepSpeed made its fp32 master copy from the bf16/fp16 parameters: fill it from the source
+                    ds_state.fill_masters(self._slots, *self._pretrained)
+                self._pretrained = None
             except ValueError as exc:
                 problem = str(exc)
             problem = agreed_problem(problem, device=self.root_device)
             if problem:
                 raise ValueError(problem)
+            self._groups_at_setup = [len(o.param_groups) for o in self.optimizers] if fitting else []
+            if fitting:
+                self._watch_unused(module)
+            self._buffers = ReplicaBuffers(module, self._data_parallel_group())
         self.barrier()
         if not isinstance(self.precision_plugin, ds_state.EnginePrecision):
             self.precision_plugin = ds_state.EnginePrecision(self.precision_plugin.precision, lambda: self._engine)
@@ -261,20 +288,24 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         )
 
     def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
-        return build_pipeline(
+        self._counted = counted_loss(module, self.root_device)
+        pipe, self._pretrained = build_pipeline(
             module,
             num_stages=self._pp,
             stage=self.pipeline_rank,
             partition_method=self._partition_method,
             activation_checkpoint_interval=self._activation_checkpoint_interval,
             init_from=self._init_from,
+            loss_fn=self._loss,
             device=self.root_device,
         )
+        return pipe
 
     def _initialize(self, trainer: pl.Trainer, module: pl.LightningModule, pipe: nn.Module, fitting: bool) -> Any:
         optimizer = None
         if fitting:
-            self.setup_optimizers(trainer)
+            # configure_optimizers sees this rank's stage only: a failure on one stage fails every rank
+            agreed_setup("configure_optimizers", lambda: self.setup_optimizers(trainer), device=self.root_device)
             if len(self.optimizers) > 1:
                 raise ValueError(
                     "DeepSpeedPipelineStrategy steps one optimizer; configure_optimizers returned several."
@@ -319,11 +350,94 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             self._shape_key = key
         return chunks
 
+    def _loss(self, output: Any, target: Any) -> Tensor:
+        """The micro-batch loss DeepSpeed backpropagates. A counted loss (``pipeline_loss_count``): the
+        micro-batch's mean weighted by its share of the batch's elements, times what DeepSpeed divides by
+        (micro-batches, replicas), so the step's gradient and loss are the batch's exact mean."""
+        module = self.lightning_module
+        assert module is not None
+        if self._counted is None:
+            return module.pipeline_loss(output, target)
+        n = self._counted.count(target)
+        if n == 0:  # nothing counted in this micro-batch (all padding): it adds nothing, and no 0/0
+            return (
+                output.float().sum() * 0.0 if isinstance(output, Tensor) else sum(o.float().sum() * 0.0 for o in output)
+            )
+        share = n / max(self._batch_count, 1.0)
+        return module.pipeline_loss(output, target) * (share * self._m * self._dp)
+
+    def _watch_unused(self, module: pl.LightningModule) -> None:
+        """DeepSpeed steps every element of its flat partitions (ZeRO-1) and gives every parameter a zero gradient
+        before its gradient reduction (ZeRO-0, also with one replica): a parameter no rank produced a gradient
+        for (BERT's pooler, an expert no token reached) would move under weight decay and momentum, where one
+        process leaves it alone. Checked before each step (agreed), refused before the update."""
+        self._used: set[int] = set()
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda p: self._used.add(id(p)))
+        self._watched = params
+        ds_state.client_optimizer(self.engine).register_step_pre_hook(self._refuse_unused)
+
+    def _refuse_unused(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._loading:
+            return
+        unused = {id(p) for p in self._watched if id(p) not in self._used}
+        self._used = set()
+        # a replica may have used what this one did not: only a parameter no replica used counts
+        flags = torch.tensor([float(id(p) in unused) for p in self._watched], device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._data_parallel_group())
+        names = [
+            n
+            for n, p in self.lightning_module.named_parameters()
+            for f, q in zip(flags.tolist(), self._watched)
+            if q is p and f
+        ]
+        problem = f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}" if names else None
+        problem = agreed_problem(problem, device=self.root_device)
+        if problem:
+            raise RuntimeError(
+                f"Parameters got no gradient on any replica in this step ({problem}): DeepSpeed would still step them"
+                " (its gradient reduction zero-fills missing gradients; ZeRO-1 steps every element of its"
+                " partitions), so they would move where one process leaves them alone. Freeze them, or use"
+                " HybridParallelStrategy, which steps only what some replica used."
+            )
+
+    def _refuse_added_groups(self) -> None:
+        """A param group added after set-up (``BackboneFinetuning`` unfreezing a backbone) is not in DeepSpeed's
+        partitions or reductions: its parameters would train apart on every replica. Agreed, before the step."""
+        added = [len(o.param_groups) - n for o, n in zip(self.optimizers, self._groups_at_setup)]
+        (changed,) = agree([float(any(added))], device=self.root_device)
+        if changed:
+            raise RuntimeError(
+                "A param group was added to the optimizer after DeepSpeedPipelineStrategy set it up (a callback such"
+                " as BackboneFinetuning): DeepSpeed's engine would not reduce or partition it. Put every parameter in"
+                " the optimizer from the start, or use HybridParallelStrategy, which shards added groups."
+            )
+
+    def _data_parallel_group(self) -> Any:
+        import deepspeed.comm as ds_comm  # noqa: F401  (the engine's groups exist once it is built)
+
+        return self.engine.grid.get_data_parallel_group()
+
+    def _count_batch(self, chunks: list[tuple[Any, Any]]) -> None:
+        """A counted loss: the batch's elements over every replica, before DeepSpeed runs it (every stage holds
+        the batch: the world's sum counts each replica once per stage)."""
+        if self._counted is None:
+            return
+        local = sum(self._counted.count(target) for _, target in chunks)
+        (total,) = agree([local], op="sum", device=self.root_device)
+        self._batch_count = total / self._pp
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
-        loss = self.engine.train_batch(data_iter=iter(self._micro_batches(args[0], "train")))
+        chunks = self._micro_batches(args[0], "train")
+        self._refuse_added_groups()
+        self._count_batch(chunks)
+        loss = self.engine.train_batch(data_iter=iter(chunks))
+        if self._buffers is not None:
+            self._buffers.broadcast()  # running statistics: the first replica's on every replica, as under DDP
         loss = loss.detach().float().reshape(())  # the step's mean loss, the same on every rank
         module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
@@ -348,6 +462,7 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         module = self.lightning_module
         assert module is not None
         chunks = self._micro_batches(batch, "eval")
+        self._count_batch(chunks)
         loss = self.engine.eval_batch(iter(chunks), num_micro_batches=len(chunks))
         loss = loss.detach().float().reshape(())  # the mean over micro-batches and replicas, on every rank
         module.log(metric, loss, prog_bar=True, sync_dist=False)
@@ -384,9 +499,13 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
         assert module is not None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizer = ds_state.client_optimizer(self.engine) if fitting else None
-        ds_state.load_sharded(
-            path, module, self._slots, optimizer, strict=module.strict_loading, device=self.root_device
-        )
+        self._loading = True  # loading creates the optimizer state by a zero-gradient step: no training step
+        try:
+            ds_state.load_sharded(
+                path, module, self._slots, optimizer, strict=module.strict_loading, device=self.root_device
+            )
+        finally:
+            self._loading = False
         meta = read_meta(path)
         written = meta.get(LAYOUT_KEY)
         if written:

@@ -21,18 +21,25 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid._agree import agree
 from lightning_hybrid._elastic import prepare_elastic_restart
-from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes
+from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes, syncs_batchnorm
+from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
+from lightning_hybrid.strategies._buffers import ReplicaBuffers
+from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
+from lightning_hybrid.strategies._counted_loss import CountedLoss, weighted
 from lightning_hybrid.strategies._grad_sync import GradientSync, named_parameters
 from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._layout import (
@@ -44,16 +51,19 @@ from lightning_hybrid.strategies._layout import (
     check_choices,
     resolve_layout,
 )
+from lightning_hybrid.strategies._pipeline import contract_batch
 from lightning_hybrid.strategies._pipeline_runner import PipelineRunner
 from lightning_hybrid.strategies._recipe import DP_AXIS, PP_AXIS, prepare_module
 from lightning_hybrid.strategies._state import (
     ShardedCheckpointIO,
+    align_added_groups,
     checkpoint_folder,
     load_sharded_checkpoint,
     model_state,
     optimizer_state,
 )
 from lightning_hybrid.strategies._tied import CheckpointNames
+from lightning_hybrid.strategies._zero import share_zero_grad
 
 __all__ = ["HybridParallelStrategy"]
 
@@ -144,6 +154,10 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         self._mesh: Union[DeviceMesh, None] = None
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
         self._sync: Union[GradientSync, None] = None
+        self._prepared: dict[int, Optimizer] = {}  # optimizers whose step's gradients are ready (_prepare_step)
+        self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
+        self._buffers: Union[ReplicaBuffers, None] = None  # running statistics kept as DDP keeps them
+        self._training_started = False  # a checkpoint loaded after this is a roll-back, not a resume
         self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters
         self._prepared_module: Union[nn.Module, None] = None
 
@@ -216,6 +230,10 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         """This rank's part of the gradient accumulated so far in the window (see :class:`GradientSync`)."""
         return self._gradient_sync.current_gradients(module)
 
+    def exact_window_means(self) -> bool:
+        """Whether each step is the exact mean over its window's counted elements (``pipeline_loss_count``)."""
+        return self._counted is not None
+
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout can load it)."""
         lay = self.layout
@@ -239,6 +257,7 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         init_processes(self)
+        wait_for_gloo_at_exit()  # a finished job exits 0, also when gloo's workers are late (see the function)
         # same inputs on every rank -> the same verdict everywhere: bad sizes fail on all ranks, no hang
         self._layout = lay = resolve_layout(
             world_size=self.world_size,
@@ -276,11 +295,55 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
             self._prepare(module)
             self._prepared_module = module
         self.barrier()
+        if syncs_batchnorm(self):
+            # Lightning's SyncBatchNorm would reduce over the whole world (stages included) and is never applied
+            # by a strategy that does not wrap the module in DDP: refused instead of silently ignored
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) is not applied by HybridParallelStrategy; BatchNorm keeps Lightning"
+                " DDP's default (batch statistics per replica, running statistics of the first replica). Remove"
+                " it, or convert the layers yourself with torch.nn.SyncBatchNorm.convert_sync_batchnorm(module,"
+                " process_group=<the data-parallel group>) in configure_model (GPU only in torch 2.13)."
+            )
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            refuse_averaging(trainer, self.layout)
+            if self._runner is not None and not module.automatic_optimization:
+                raise ValueError(
+                    f"{type(module).__name__} uses manual optimization; under a pipeline the strategy runs the"
+                    " schedule (forward and backward of every micro-batch) in place of training_step, so the"
+                    " training_step's own backward and optimizer calls would never run. Use automatic"
+                    " optimization, or pipeline_parallel_size=1."
+                )
+            # configure_optimizers sees this rank's stage only: a failure on one stage fails every rank
+            agreed_setup("configure_optimizers", lambda: self.setup_optimizers(trainer), device=self.root_device)
+            if self._counted is not None and (not module.automatic_optimization or len(self.optimizers) > 1):
+                raise ValueError(
+                    f"{type(module).__name__} defines pipeline_loss_count: the strategy weighs each batch's loss by"
+                    " its count and corrects the window's gradient before the step, which needs automatic"
+                    " optimization with one optimizer. Remove pipeline_loss_count (and normalise the loss"
+                    " yourself), or use one optimizer with automatic_optimization=True."
+                )
             self._gradient_sync.attach([self._unwrap(o) for o in self.optimizers], named_parameters(module))
+            share_zero_grad(self._lightning_optimizers)
         self._connect_precision()
         self.setup_precision_plugin()
+        self._training_started = False
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[Optimizer]) -> None:
+        # Lightning wraps the optimizers again whenever they are set (the precision plugin's connect does):
+        # each new wrapper gets the ZeRO-1/2 zero_grad of its optimizer (what self.optimizers() is under manual
+        # optimization; Lightning's wrapper would otherwise call the optimizer class's own zero_grad)
+        ModelParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+        share_zero_grad(self._lightning_optimizers)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._training_started = True
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """The recipe (``_recipe.prepare_module``), once per module."""
@@ -298,6 +361,8 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         )
         self.model = prepared.module
         self._runner, self._sync = prepared.runner, prepared.sync
+        self._counted = prepared.counted
+        self._buffers = ReplicaBuffers(prepared.module, self.data_parallel_group)
         self._checkpoint_names = prepared.checkpoint_names
         self._pretrained_bytes_read = prepared.pretrained_bytes_read
 
@@ -307,7 +372,18 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         return self._pretrained_bytes_read
 
     def _connect_precision(self) -> None:
-        plugin = mesh_aware_precision(self.precision_plugin, self._gradient_sync.grad_norm)
+        scaler = (
+            getattr(self.precision_plugin, "scaler", None) if type(self.precision_plugin) is MixedPrecision else None
+        )
+        if scaler is not None and self.layout.zero_stage >= 1 and self.layout.data_parallel_size > 1:
+            # torch's GradScaler finds overflow in this rank's shard only: ranks would skip different steps
+            raise ValueError(
+                f"precision='16-mixed' uses torch's GradScaler, which looks for overflow in this rank's shard only;"
+                f" under zero_stage={self.layout.zero_stage} the ranks would skip different steps and scale"
+                " differently. Use plugins=[lightning_hybrid.plugins.AdaptiveLossScalingPrecision(precision="
+                "'16-mixed')], whose skip decision is agreed, or precision='bf16-mixed'."
+            )
+        plugin = mesh_aware_precision(self.precision_plugin, self._gradient_sync.grad_norm, self._prepare_for_clip)
         if plugin is None:
             if self.layout.world_size > 1:
                 rank_zero_info(
@@ -326,12 +402,15 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+            self._refuse_skip_on_some_ranks(output)
+            return output if self._counted is None else self._weigh_by_count(output, args[0])
         module = self.lightning_module
         assert module is not None
         sync = self._gradient_sync
         # the schedule runs forward AND backward here; gradients Lightning's zero_grad could reach wait in the
         # runner until backward()
+        sync.hold_gradients(False)
         with self.precision_plugin.train_step_context():
             loss = self._runner.train_step(
                 args[0],
@@ -339,8 +418,52 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
                 set_aside=sync.optimizer_holds_model_parameters,
             )
         sync.after_backward()
+        sync.hold_gradients(True)  # until backward(): Lightning's zero_grad must not discard them
+        if self._counted is not None:
+            self._counted.window += self._runner.last_count  # over every replica already
         module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
+
+    def _refuse_skip_on_some_ranks(self, output: Any) -> None:
+        """A training_step that returned no loss (Lightning skips its backward) on some replicas only: under
+        ZeRO-3 the others would wait forever in FSDP2's reduce-scatter, which every replica's backward takes
+        part in. One flag agreed per micro-batch, under ZeRO-3 at dp>1 only (ZeRO-0/1/2 reduce when the window
+        closes, on every rank: a replica that skipped contributes no gradient, as a loss of zero would)."""
+        module = self.lightning_module
+        if self.layout.zero_stage != 3 or self.layout.data_parallel_size == 1 or module is None:
+            return
+        if not module.automatic_optimization:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else output
+        skipped = 0.0 if isinstance(loss, Tensor) else 1.0
+        most, least = agree([skipped, -skipped], op="max", device=self.root_device, group=self.data_parallel_group)
+        if most != -least:
+            raise RuntimeError(
+                "training_step returned no loss on some data-parallel replicas only; under zero_stage=3 each"
+                " replica's backward takes part in FSDP2's reduce-scatter, so the others would wait in it forever."
+                " Skip a batch on every replica alike (decide it from an all-reduced flag), or return a loss of"
+                " zero (`loss * 0`) on the replicas that have nothing to learn from it."
+            )
+
+    def _weigh_by_count(self, output: Any, batch: Any) -> Any:
+        """No pipeline, a counted loss: the rank's mean stays the value (as under DDP); backward sees it weighted
+        by the batch's count (Lightning's division by the accumulation undone), corrected when the window closes."""
+        counted, module = self._counted, self.lightning_module
+        assert counted is not None and module is not None
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor):  # training_step returned nothing to step with (Lightning skips it)
+            return output
+        n = counted.count(contract_batch(module, batch)[1])
+        counted.agree_reference(n, self.layout.data_parallel_size, group=self.data_parallel_group)
+        counted.window += n
+        if n == 0:
+            # nothing counted on this rank (all padding): its mean is 0/0; it adds nothing to the window and
+            # reports 0. The zero backpropagates zeros to one parameter, so Lightning's backward still runs
+            anchor = next(p for p in module.parameters() if p.requires_grad)
+            loss = (anchor.to_local() if isinstance(anchor, DTensor) else anchor).sum() * 0.0
+        else:
+            loss = weighted(loss, counted.weight(n) * module.trainer.accumulate_grad_batches)
+        return {**output, "loss": loss} if isinstance(output, dict) else loss
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Union[Optimizer, None], *args: Any, **kwargs: Any) -> Tensor:
@@ -348,12 +471,14 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         # of what backward's hooks did not reduce before on_after_backward sees the gradients
         module = self.lightning_module
         assert module is not None
+        self._unprepare()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._runner is None:
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             self._gradient_sync.after_backward()
         else:
+            self._gradient_sync.hold_gradients(False)
             self._runner.backward()  # the schedule ran backward in training_step
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
@@ -371,13 +496,59 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
 
         def closure_then_reduce() -> Any:
             out = closure()
-            # the window's last backward ran: reduce before the precision plugin's hooks and clipping
-            sync.reduce(optimizer)
+            self._prepare_step(optimizer)
             return out
 
-        result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        sync.after_step(optimizer)
+        try:
+            result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+            sync.after_step(optimizer)
+        finally:
+            sync.end_step(optimizer)
+            self._prepared.pop(id(optimizer), None)
+        if self._buffers is not None:
+            self._buffers.broadcast()
         return result
+
+    def _prepare_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """The window's last backward ran: groups added since the last step join (ZeRO-1/2 flatten them), the
+        gradients are reduced, and from here to the end of the step ZeRO-1/2's param groups hold the chunks
+        this rank steps (what the precision plugin unscales and clips). Once per step: inside the closure,
+        or earlier when manual optimization clips its gradients before ``optimizer.step()``."""
+        optimizer = self._unwrap(optimizer)
+        if id(optimizer) in self._prepared:
+            return
+        sync = self._gradient_sync
+        if self.layout.pipeline_parallel_size > 1:  # a group added on some stages only: empty on the others
+            align_added_groups(optimizer, device=self.root_device)
+        sync.adopt_param_groups(optimizer)
+        sync.reduce(optimizer, scale=self._window_correction())
+        sync.begin_step(optimizer)
+        self._prepared[id(optimizer)] = optimizer
+
+    def _prepare_for_clip(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """Manual optimization clips before ``optimizer.step()``: the step's gradients are made ready first.
+        Automatic optimization clips inside the step, after its closure made them ready (a clip called from
+        another hook keeps Lightning's meaning: the gradients as they are)."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            self._prepare_step(optimizer)
+
+    def _unprepare(self) -> None:
+        """A backward after the step's gradients were made ready (LBFGS evaluates its closure again; a manual
+        loop clipped and then ran another backward): they are made ready again when next needed."""
+        for optimizer in self._prepared.values():
+            self._gradient_sync.end_step(optimizer)
+        self._prepared.clear()
+
+    def _window_correction(self) -> Union[float, None]:
+        """A counted loss: the factor that turns the replicas' mean gradient into the window's exact mean."""
+        if self._counted is None:
+            return None
+        if self._runner is not None:  # the pipeline's loss all-reduce already counted every replica
+            window, self._counted.window = self._counted.window, 0.0
+        else:
+            window = self._counted.global_window(self.data_parallel_group)
+        return self._counted.factor(self.layout.data_parallel_size, window=window)
 
     # --------------------------------------------------------------------------------------- evaluation
 
@@ -444,6 +615,8 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
             self._checkpoint_names,
             strict=module.strict_loading,
             device=self.root_device,
+            # param groups added during the checkpoint's run come back (a resume, not a roll-back inside a run)
+            restore_groups=not self._training_started,
         )
         written = meta.get(LAYOUT_KEY)
         if written:

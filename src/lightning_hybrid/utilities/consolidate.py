@@ -27,14 +27,15 @@ from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sha
 __all__ = ["consolidate_checkpoint", "main", "verified_checkpoint"]
 
 
-def verified_checkpoint(path: str | Path) -> Path:
-    """``path`` resolved, once it is a complete sharded checkpoint that matches its manifest (when it has one)."""
+def verified_checkpoint(path: str | Path, *, hashes: bool = True) -> Path:
+    """``path`` resolved, once it is a complete sharded checkpoint that matches its manifest (when it has one;
+    ``hashes=False`` checks the files' presence and sizes only, as a rank does whose peer hashed them)."""
     path = Path(path).resolve()
     if not (path / DCP_METADATA).is_file():
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: it has no {DCP_METADATA} file.")
     if (path / MANIFEST).exists():
         try:
-            problem = verify(path, read_manifest(path))
+            problem = verify(path, read_manifest(path), hash_names=None if hashes else ())
         except ManifestError as exc:
             problem = f"unreadable manifest: {exc}"
         if problem:
