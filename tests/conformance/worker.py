@@ -1,0 +1,146 @@
+"""Worker (one launch per layout): train every shape of the catalogue under the layout, then resume each
+shape from the checkpoint another layout wrote, and report what every rank saw.
+
+Config keys: layout (name), strategy ({"name": "hybrid" | "deepspeed", "kwargs": {...}}), shapes (names),
+resume ({shape: checkpoint folder written by another layout}), checkpoints (the root this launch writes its
+step checkpoints under), out (reports).
+
+Per shape and run the report holds the loss of every batch as the global batch's (the strategy's own under
+a pipeline; under pure data parallelism the replicas' losses combined as one process would have them), the
+final weights (consolidated from a sharded checkpoint), or the error every rank raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from shapes import CHECKPOINT_AT, GLOBAL_BATCH, MAX_STEPS, Shape, TokenMean, build
+from torch.utils.data import DataLoader
+
+from lightning_hybrid.callbacks import FaultTolerantCheckpoint
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, ZeroConfig
+from lightning_hybrid.utilities import consolidate_checkpoint
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Data(L.LightningDataModule):
+    """The shape's dataset in global batches of GLOBAL_BATCH samples, split over the data-parallel ranks."""
+
+    def __init__(self, model: Shape) -> None:
+        super().__init__()
+        self.dataset = model.dataset()
+
+    def train_dataloader(self) -> DataLoader:
+        replicas = self.trainer.strategy.distributed_sampler_kwargs.get("num_replicas", 1)
+        return DataLoader(self.dataset, batch_size=GLOBAL_BATCH // replicas, shuffle=True)
+
+
+class Record(Callback):
+    """Each batch's loss over the global batch, and (routed experts) which experts each rank used."""
+
+    def __init__(self, pipelined: bool, experts: bool) -> None:
+        self.pipelined, self.record_experts = pipelined, experts
+        self.losses: list[float] = []
+        self.experts: list[list[list[int]]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = float(loss) * (trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
+        if not self.pipelined and dist.is_initialized() and dist.get_world_size() > 1:
+            # each replica's loss is its own batch's: combine them as the global batch's
+            count = float(pl_module.pipeline_loss_count(batch[1])) if isinstance(pl_module, TokenMean) else 1.0
+            both = torch.tensor([loss * count, count], dtype=torch.float64)
+            dist.all_reduce(both)
+            loss = float(both[0] / both[1])
+        self.losses.append(loss)
+        if self.record_experts and dist.is_initialized():  # every rank takes part; a stage without them says []
+            router = next((m for m in pl_module.modules() if isinstance(getattr(m, "used", None), set)), None)
+            used: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(used, sorted(router.used) if router is not None else None)
+            self.experts.append([u for u in used if u is not None])
+
+
+def make_strategy(spec: dict[str, Any]) -> Any:
+    kwargs = dict(spec.get("kwargs", {}))
+    if spec["name"] == "deepspeed":
+        return DeepSpeedPipelineStrategy(**kwargs)
+    if "zero" in kwargs:
+        kwargs["zero"] = ZeroConfig(**kwargs["zero"])
+    return HybridParallelStrategy(**kwargs)
+
+
+def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -> dict[str, Any]:
+    L.seed_everything(0, workers=False, verbose=False)
+    model = build(name)
+    pipelined = cfg["strategy"]["name"] == "deepspeed" or cfg["strategy"]["kwargs"].get("pipeline_parallel_size", 1) > 1
+    record = Record(pipelined, experts=name == "routed-experts")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("WORLD_SIZE", "1")),
+        strategy=make_strategy(cfg["strategy"]),
+        max_steps=MAX_STEPS,
+        accumulate_grad_batches=model.accumulate,
+        callbacks=[
+            *model.callbacks(),
+            record,
+            FaultTolerantCheckpoint(  # a resume continues the folder it resumes from, as a requeued job does
+                dirpath=Path(resume).parent if resume else folder / "steps",
+                every_n_train_steps=CHECKPOINT_AT,
+                keep_last=3,
+                hang_timeout=0,
+                nan_policy=None,
+            ),
+        ],
+        logger=CSVLogger(folder / "logs", name="", version=""),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=Data(model), ckpt_path=resume)
+    trainer.save_checkpoint(folder / "final")
+    report: dict[str, Any] = {"losses": record.losses, "experts": record.experts}
+    if trainer.global_rank == 0:
+        weights = consolidate_checkpoint(folder / "final")
+        torch.save(weights, folder / "weights.pt")
+        report["weights"] = str(folder / "weights.pt")
+        report["checkpoint"] = str(folder / "steps" / f"step-{CHECKPOINT_AT:09d}")
+
+    return report
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    root = Path(cfg["checkpoints"])
+    results: dict[str, Any] = {}
+    for name in cfg["shapes"]:
+        results[name] = {}
+        runs = [("fresh", None)]
+        if cfg.get("resume", {}).get(name):
+            runs.append(("resumed", cfg["resume"][name]))
+        for run, resume in runs:
+            folder = root / name / run
+            try:
+                results[name][run] = train(cfg, name, folder=folder, resume=resume)
+            except Exception as exc:  # a refusal: every rank must raise the same
+                results[name][run] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-3000:]}
+                (folder / f"error-rank{RANK}.txt").write_text(traceback.format_exc())  # seen even if a rank hangs
+                if dist.is_initialized():
+                    dist.barrier()  # the ranks leave the failed fit together before the next shape
+    out = Path(cfg["out"]) / f"rank{RANK}.json"
+    out.write_text(json.dumps({"rank": RANK, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
