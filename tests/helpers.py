@@ -1,14 +1,17 @@
-"""Test helpers: launch an N-process gloo job with torchrun and collect what each rank reported."""
+"""Test helpers: launch an N-process gloo job (as torchrun would) and collect what each rank reported."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,19 +60,49 @@ def launch(
     expect_success: bool = True,
     env: dict[str, str] | None = None,
     max_restarts: int = 0,
+    torchrun: bool = False,
 ) -> JobResult:
-    """Run ``tests/workers/<script>`` under torchrun on loopback (gloo) with a hard timeout.
+    """Run ``tests/workers/<script>`` as ``nproc`` gloo ranks on loopback with a hard timeout.
 
-    ``nnodes > 1`` starts one torchrun agent per node, meeting through a c10d rendezvous, as on a cluster.
-    Each rank writes ``rank<R>.json`` into ``config["out"]`` (created here); those reports are returned.
-    ``max_restarts`` lets torchrun restart all workers in place after one fails (as ``--max-restarts``).
+    Ranks are started directly with the environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, so Lightning sees a torchrun
+    launch), and torchrun's failure policy is kept: once a rank fails, the others get SIGTERM and, 30 s
+    later, SIGKILL. This saves torchrun's own start-up (its agent and rendezvous, seconds per launch).
+    torchrun itself runs the job when its agent is part of what a test checks: ``nnodes > 1`` (one agent per
+    node, meeting through a c10d rendezvous, as on a cluster), ``max_restarts`` (the agent restarts all
+    workers in place after one fails, as ``--max-restarts``) or ``torchrun=True``.
+    Each rank writes ``rank<R>.json`` into ``config["out"]``; those reports are returned. Without an
+    ``out`` the job's folder is temporary and removed afterwards.
     On an unexpected outcome the whole output is shown in the assertion message.
     """
+    temporary = not config.get("out")
     out = Path(config.get("out") or tempfile.mkdtemp(prefix="lh-job-"))
+    try:
+        return _launch(script, config, out, nproc, nnodes, timeout, expect_success, env, max_restarts, torchrun)
+    finally:
+        if temporary:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _launch(
+    script: str,
+    config: dict[str, Any],
+    out: Path,
+    nproc: int,
+    nnodes: int,
+    timeout: float,
+    expect_success: bool,
+    env: dict[str, str] | None,
+    max_restarts: int,
+    torchrun: bool,
+) -> JobResult:
     out.mkdir(parents=True, exist_ok=True)
     config = {**config, "out": str(out)}
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(config))
+    if not (torchrun or nnodes > 1 or max_restarts):
+        code, output = _run_ranks(WORKERS / script, cfg_path, nproc, timeout, env or {})
+        return _result(code, output, out, nproc, expect_success)
     port = free_port()
     procs = []
     for node in range(nnodes):
@@ -111,8 +144,82 @@ def launch(
             raise AssertionError(f"job timed out after {timeout}s\n{text[-8000:]}") from None
         outputs.append(text)
         codes.append(p.returncode)
-    output = "\n".join(outputs)
-    code = max(codes, key=abs)
+    return _result(max(codes, key=abs), "\n".join(outputs), out, nproc, expect_success)
+
+
+def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: dict[str, str]) -> tuple[int, str]:
+    """Start ``nproc`` ranks in one process group and supervise them as torchrun's agent does."""
+    port = free_port()
+    logs = [cfg_path.parent / f"rank{rank}.log" for rank in range(nproc)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank, log in enumerate(logs):
+            rank_env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(nproc),
+                "ROLE_NAME": "default",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": f"lh-{port}",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                **env,
+            }
+            group = {"process_group": procs[0].pid if procs else 0}  # one group: one killpg stops them all
+            with open(log, "w") as sink:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script), str(cfg_path)],
+                        cwd=ROOT,
+                        env=child_env(**rank_env),
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                        **group,
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                _kill_group(procs[0])
+                raise AssertionError(f"job timed out after {timeout}s\n{_read(logs)[-8000:]}")
+            if any(p.poll() not in (None, 0) for p in procs):  # torchrun's policy: stop the others
+                _stop(procs, grace=30.0)
+                break
+            time.sleep(0.5)
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(procs[0])
+                break
+    return max(codes, key=abs), _read(logs)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+
+
+def _read(logs: list[Path]) -> str:
+    return "\n".join(log.read_text(errors="replace") for log in logs if log.exists())
+
+
+def _result(code: int, output: str, out: Path, nproc: int, expect_success: bool) -> JobResult:
     if expect_success and code != 0:
         raise AssertionError(f"job failed with exit code {code}\n{output[-12000:]}")
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
@@ -122,7 +229,5 @@ def launch(
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    import signal
-
     with contextlib.suppress(ProcessLookupError):
         os.killpg(p.pid, signal.SIGKILL)

@@ -164,7 +164,7 @@ def test_nan_on_one_rank_triggers_the_same_policy_on_every_rank(tmp_path, policy
 def test_watchdog_exits_a_hung_job_and_names_the_stuck_rank(tmp_path):
     cfg = _job(tmp_path, "hang", inject={"hang": {"step": 3, "rank": 1}}, ft={"hang_timeout": 4})
     start = time.monotonic()
-    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=120)
+    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=120, torchrun=True)
     assert result.returncode != 0
     assert time.monotonic() - start < 60
     assert "watchdog: no training step finished" in result.output
