@@ -71,7 +71,7 @@ def test_init_from_a_pack_checkpoint_hashes_its_files_on_one_rank_only(tmp_path,
     """Every rank checks the files are there with their sizes; the SHA-256 of every file is read by one rank
     (agreed_plan then agrees its verdict), not once per rank of a large job."""
     from lightning_hybrid.checkpoint import _format
-    from lightning_hybrid.strategies._init_from import open_weights
+    from lightning_hybrid.checkpoint.pretrained import open_weights
 
     folder = _sharded_checkpoint(tmp_path, 3).path
     hashed: list[str] = []

@@ -12,7 +12,7 @@ from helpers import ROOT, launch
 from reference import reference_run
 
 from lightning_hybrid.strategies import DeepSpeedPipelineStrategy
-from lightning_hybrid.strategies._deepspeed_config import EngineRequest, load_config, merge_config
+from lightning_hybrid.strategies.deepspeed.config import EngineRequest, load_config, merge_config
 
 # SGD with momentum: its state must travel through every checkpoint
 MODEL = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "n_layer": 4}
@@ -276,7 +276,7 @@ def test_config_takes_what_lightning_owns_and_shows_both_values_of_a_conflict(tm
 @pytest.mark.unit
 def test_optimizers_deepspeed_would_step_on_a_flat_partition_are_refused():
     from lightning_hybrid.optim import LAMB
-    from lightning_hybrid.strategies._deepspeed_checks import optimizer_problem
+    from lightning_hybrid.strategies.deepspeed.checks import optimizer_problem
 
     w, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.zeros(2))
 

@@ -12,8 +12,8 @@ from helpers import launch
 from safetensors.torch import save_file
 from workers.common import ExactDataModule, build_model, global_batches
 
+from lightning_hybrid.checkpoint.pretrained import open_weights, plan_pretrained
 from lightning_hybrid.strategies import PretrainedWeights
-from lightning_hybrid.strategies._init_from import open_weights, plan_pretrained
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 MODEL = {"vocab_size": 64, "n_layer": 4, "d_model": 32, "n_head": 2, "block_size": 16}

@@ -9,9 +9,10 @@ from helpers import launch
 from reference import reference_run
 
 from lightning_hybrid.checkpoint._sharded import read_sharded_index
-from lightning_hybrid.strategies._init_from import _PackCheckpoint
+from lightning_hybrid.checkpoint.pretrained import _PackCheckpoint
+from lightning_hybrid.contract import Tie, find_ties
 from lightning_hybrid.strategies._layout import ZeroConfig, resolve_layout
-from lightning_hybrid.strategies._tied import CheckpointNames, Tie, check_ties, find_ties
+from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, check_ties
 
 TOTAL, FIRST = 4, 2
 GPT_TIE = ("layers.0.token.weight", "layers.3.head.weight")  # the example GPT's names of its tied embedding
@@ -181,7 +182,7 @@ def test_checkpoint_names_store_a_tied_parameter_once_and_read_it_back_under_any
 
 
 def test_group_settings_compare_values_not_names_or_devices():
-    from lightning_hybrid.strategies._tied import _settings
+    from lightning_hybrid.strategies.pipeline.tied import _settings
 
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     # torch >= 2.6 records each stage's own parameter names in its groups: they must not tell the copies apart

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_hybrid.strategies._zero_grads import BucketQueue, _Bucket
+from lightning_hybrid.strategies.zero.flat_gradients import BucketQueue, _Bucket
 
 pytestmark = pytest.mark.unit
 

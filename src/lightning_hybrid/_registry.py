@@ -10,7 +10,7 @@ def register_strategies() -> list[str]:
     Returns the names."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_hybrid.strategies.deepspeed_pipeline import DeepSpeedPipelineStrategy
+    from lightning_hybrid.strategies.deepspeed.strategy import DeepSpeedPipelineStrategy
     from lightning_hybrid.strategies.hybrid import HybridParallelStrategy
 
     HybridParallelStrategy.register_strategies(StrategyRegistry)

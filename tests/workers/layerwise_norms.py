@@ -17,7 +17,7 @@ from common import rank, run_worker, write_report
 from torch import nn
 
 from lightning_hybrid.optim import LAMB, TensorPartition
-from lightning_hybrid.strategies._zero import FlatShardedOptimizer
+from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 
 
 def _tensors() -> list[torch.Tensor]:

@@ -1,9 +1,9 @@
 """Lightning strategies of lightning-hybrid."""
 
-from lightning_hybrid.strategies._init_from import PretrainedWeights
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.strategies._layout import PipelineSplit, ZeroConfig
 from lightning_hybrid.strategies._materialize import block_seed, seeded_init
-from lightning_hybrid.strategies.deepspeed_pipeline import DeepSpeedPipelineStrategy
+from lightning_hybrid.strategies.deepspeed.strategy import DeepSpeedPipelineStrategy
 from lightning_hybrid.strategies.hybrid import HybridParallelStrategy
 
 __all__ = [

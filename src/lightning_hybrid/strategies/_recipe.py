@@ -18,17 +18,23 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_hybrid.strategies._buffers import make_replicas_identical
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_aliased_parameters
-from lightning_hybrid.strategies._counted_loss import CountedLoss, counted_loss
-from lightning_hybrid.strategies._fsdp import ShardingPlan, UnitGradients, check_fully_shardable, shard_fully
-from lightning_hybrid.strategies._grad_sync import GradientSync, gradient_sync
-from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.strategies._layout import SCHEDULES, Layout, PipelineSplit, ZeroConfig
 from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
-from lightning_hybrid.strategies._pipeline import check_pipeline_contract, split_module, stage_ranges
-from lightning_hybrid.strategies._pipeline_runner import PipelineRunner, pipeline_loss_scaling
-from lightning_hybrid.strategies._tied import CheckpointNames, TiedGradients, check_ties, find_ties
+from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
+from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
+from lightning_hybrid.strategies.pipeline.split import split_module, stage_ranges
+from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, TiedGradients, check_ties
+from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
+from lightning_hybrid.strategies.zero.fully_sharded import (
+    ShardingPlan,
+    UnitGradients,
+    check_fully_shardable,
+    shard_fully,
+)
+from lightning_hybrid.strategies.zero.grad_sync import GradientSync, gradient_sync
 
 __all__ = ["Prepared", "prepare_module"]
 

@@ -41,9 +41,9 @@ from lightning_hybrid.checkpoint._sharded import (
     split_checkpoint,
     write_sharded,
 )
-from lightning_hybrid.strategies._grad_sync import GradientSync
-from lightning_hybrid.strategies._tied import CheckpointNames
-from lightning_hybrid.strategies._zero import FlatShardedOptimizer
+from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
+from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
+from lightning_hybrid.strategies.zero.grad_sync import GradientSync
 
 __all__ = [
     "ShardedCheckpointIO",

@@ -36,12 +36,10 @@ from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes, syncs_batchnorm
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.contract import contract_batch
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
-from lightning_hybrid.strategies._buffers import ReplicaBuffers
 from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
-from lightning_hybrid.strategies._counted_loss import CountedLoss, weighted
-from lightning_hybrid.strategies._grad_sync import GradientSync, named_parameters
-from lightning_hybrid.strategies._init_from import PretrainedWeights
 from lightning_hybrid.strategies._layout import (
     PRESETS,
     Layout,
@@ -51,8 +49,6 @@ from lightning_hybrid.strategies._layout import (
     check_choices,
     resolve_layout,
 )
-from lightning_hybrid.strategies._pipeline import contract_batch
-from lightning_hybrid.strategies._pipeline_runner import PipelineRunner
 from lightning_hybrid.strategies._recipe import DP_AXIS, PP_AXIS, prepare_module
 from lightning_hybrid.strategies._state import (
     ShardedCheckpointIO,
@@ -62,8 +58,12 @@ from lightning_hybrid.strategies._state import (
     model_state,
     optimizer_state,
 )
-from lightning_hybrid.strategies._tied import CheckpointNames
-from lightning_hybrid.strategies._zero import share_zero_grad
+from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, weighted
+from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
+from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
+from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
+from lightning_hybrid.strategies.zero.flat_optimizer import share_zero_grad
+from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
 
 __all__ = ["HybridParallelStrategy"]
 

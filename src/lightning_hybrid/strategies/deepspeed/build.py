@@ -11,10 +11,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_hybrid._agree import agreed_problem
-from lightning_hybrid.strategies._deepspeed_batch import unpacking
-from lightning_hybrid.strategies._deepspeed_config import EngineRequest, merge_config
-from lightning_hybrid.strategies._init_from import PretrainedWeights, agreed_load, agreed_plan
-from lightning_hybrid.strategies._pipeline import mark_cut, refuse_cut_module
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.contract import mark_cut, refuse_cut_module
+from lightning_hybrid.strategies.deepspeed.batch import unpacking
+from lightning_hybrid.strategies.deepspeed.config import EngineRequest, merge_config
 
 __all__ = ["build_pipeline", "start_engine"]
 

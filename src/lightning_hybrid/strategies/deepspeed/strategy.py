@@ -33,21 +33,22 @@ from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta
-from lightning_hybrid.strategies import _deepspeed_state as ds_state
-from lightning_hybrid.strategies._buffers import ReplicaBuffers
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.contract import micro_batches
 from lightning_hybrid.strategies._checks import agreed_setup
-from lightning_hybrid.strategies._counted_loss import CountedLoss, counted_loss
-from lightning_hybrid.strategies._deepspeed_batch import loader_micro_batch, micro_batches, shapes
-from lightning_hybrid.strategies._deepspeed_build import build_pipeline, start_engine
-from lightning_hybrid.strategies._deepspeed_checks import optimizer_problem, refuse_unsupported
-from lightning_hybrid.strategies._deepspeed_config import (
+from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
+from lightning_hybrid.strategies.deepspeed import state as ds_state
+from lightning_hybrid.strategies.deepspeed.batch import loader_micro_batch, shapes
+from lightning_hybrid.strategies.deepspeed.build import build_pipeline, start_engine
+from lightning_hybrid.strategies.deepspeed.checks import optimizer_problem, refuse_unsupported
+from lightning_hybrid.strategies.deepspeed.config import (
     EngineRequest,
     check_arguments,
     load_config,
     resolve_sizes,
 )
-from lightning_hybrid.strategies._init_from import PretrainedWeights
-from lightning_hybrid.strategies._state import ShardedCheckpointIO, checkpoint_folder
+from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
+from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 
 __all__ = ["DeepSpeedPipelineStrategy"]
 

@@ -32,36 +32,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid.contract import Tie
 from lightning_hybrid.strategies._layout import Layout, ZeroConfig, stage_ids_on_rank
 
-__all__ = ["CheckpointNames", "Tie", "TiedGradients", "check_ties", "find_ties", "holder_ranks"]
+__all__ = ["CheckpointNames", "TiedGradients", "check_ties", "holder_ranks"]
 
 _SECTIONS = ("state.", "param_groups.")  # the flat optimizer state's keys: <section><name>.<key>
-
-
-@dataclass(frozen=True)
-class Tie:
-    """One parameter known by several ``names`` in the unsplit module (``names[0]`` is where checkpoints
-    store it); ``blocks[i]`` is the position in ``self.layers`` of the block holding ``names[i]`` (None
-    outside ``self.layers``)."""
-
-    names: tuple[str, ...]
-    blocks: tuple[int | None, ...]
-
-
-def find_ties(module: nn.Module) -> list[Tie]:
-    """Every parameter of ``module`` that has more than one name, in registration order."""
-    by_param: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name)
-    layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
-    position = {name: i for i, (name, _) in enumerate(layers.named_children())} if layers is not None else {}
-
-    def block(name: str) -> int | None:
-        parts = name.split(".")
-        return position.get(parts[1]) if parts[0] == "layers" and len(parts) > 2 else None
-
-    return [Tie(tuple(names), tuple(block(n) for n in names)) for names in by_param.values() if len(names) > 1]
 
 
 def _rank_of_block(block: int | None, ranges: list[range] | None, layout: Layout) -> int:

@@ -7,7 +7,6 @@ the layout they were written with.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid._torch_compat import side_effect_free_stage
+from lightning_hybrid.contract import mark_cut, refuse_cut_module
 from lightning_hybrid.strategies._layout import (
     SCHEDULES,
     Layout,
@@ -30,8 +30,6 @@ from lightning_hybrid.strategies._layout import (
 __all__ = [
     "PipelineStageModule",
     "build_schedule",
-    "check_pipeline_contract",
-    "contract_batch",
     "split_module",
     "stage_ranges",
 ]
@@ -55,56 +53,6 @@ class PipelineStageModule(nn.Module):
             else:
                 out = block(*inputs)
         return out
-
-
-def check_pipeline_contract(module: nn.Module) -> None:
-    """Raise a ``TypeError`` that says what to add when ``module`` cannot be pipelined."""
-    name = type(module).__name__
-    layers = getattr(module, "layers", None)
-    if not isinstance(layers, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
-        raise TypeError(
-            f"{name} cannot be pipelined: keep its pipeline-splittable blocks, in order, in `self.layers` (an"
-            " nn.Sequential, nn.ModuleList or nn.ModuleDict whose blocks take and return tensors), or use"
-            " pipeline_parallel_size=1."
-        )
-    if not callable(getattr(module, "pipeline_loss", None)):
-        raise TypeError(
-            f"{name} cannot be pipelined: define `pipeline_loss(self, output, target) -> Tensor` returning the"
-            " mean loss over a micro-batch, or use pipeline_parallel_size=1."
-        )
-    inside = {id(p) for p in layers.parameters()}
-    outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
-    if outside:
-        raise TypeError(
-            f"{name} has trainable parameters outside `self.layers` ({', '.join(outside[:3])}"
-            f"{', ...' if len(outside) > 3 else ''}) that no pipeline stage would own; move them into a block"
-            " of `self.layers`."
-        )
-
-
-def contract_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a batch as the contract reads it: ``pipeline_batch(batch)`` when the module
-    defines it, else ``(batch[0], batch[1])``."""
-    fn = getattr(module, "pipeline_batch", None)  # optional in the contract
-    return fn(batch) if callable(fn) else (batch[0], batch[1])
-
-
-_CUT: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules whose `layers` hold only some stages' blocks
-
-
-def refuse_cut_module(module: nn.Module) -> None:
-    """A module an earlier Trainer cut into this rank's stages cannot be cut again (a second cut would keep
-    a stage of the stage, silently); every rank sees the same."""
-    if module in _CUT:
-        raise RuntimeError(
-            f"This {type(module).__name__} was cut into pipeline stages by an earlier Trainer (fit, validate or test"
-            " with a pipeline): its `layers` hold only this rank's blocks. Build a fresh module for a new Trainer,"
-            " or run fit, validate and test on the same Trainer."
-        )
-
-
-def mark_cut(module: nn.Module) -> None:
-    _CUT.add(module)
 
 
 def stage_ranges(module: nn.Module, layout: Layout, split: PipelineSplit | None) -> list[range]:

@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_index, view_boxes
 from lightning_hybrid.checkpoint._sharded import GROUP_INDEX
 from lightning_hybrid.optim.layerwise import TensorPartition
-from lightning_hybrid.strategies._zero_grads import (
+from lightning_hybrid.strategies.zero.flat_gradients import (
     BucketGradients,
     BucketQueue,
     FlatGradients,

@@ -172,7 +172,7 @@ class _PackCheckpoint:
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
         from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded_index
-        from lightning_hybrid.strategies._tied import CheckpointNames
+        from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
         from lightning_hybrid.utilities.consolidate import verified_checkpoint
 
         self._path = verified_checkpoint(path, hashes=verify)

@@ -33,7 +33,7 @@ from lightning_hybrid._torch_compat import init_optimizer_state
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, view_boxes
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import read_sharded, read_sharded_index
-from lightning_hybrid.strategies._deepspeed_config import precision_kind
+from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 __all__ = [
     "EnginePrecision",

@@ -31,11 +31,11 @@ from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
-from lightning_hybrid.strategies._fsdp import UnitGradients
 from lightning_hybrid.strategies._layout import ZeroConfig
-from lightning_hybrid.strategies._tied import TiedGradients
-from lightning_hybrid.strategies._zero import FlatShardedOptimizer
-from lightning_hybrid.strategies._zero_grads import BucketQueue
+from lightning_hybrid.strategies.pipeline.tied import TiedGradients
+from lightning_hybrid.strategies.zero.flat_gradients import BucketQueue
+from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
+from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
 
 __all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "ShardedOptimizerGradients", "gradient_sync"]
 

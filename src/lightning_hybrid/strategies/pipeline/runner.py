@@ -24,9 +24,10 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 
 from lightning_hybrid._protocols import PipelineLossScaling
-from lightning_hybrid.strategies._counted_loss import CountedLoss
+from lightning_hybrid.contract import contract_batch
 from lightning_hybrid.strategies._layout import Layout, last_stage_rank
-from lightning_hybrid.strategies._pipeline import build_schedule, contract_batch
+from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
+from lightning_hybrid.strategies.pipeline.split import build_schedule
 
 __all__ = ["PipelineRunner", "pipeline_loss_scaling"]
 

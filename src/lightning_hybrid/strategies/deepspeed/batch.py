@@ -5,12 +5,9 @@ from __future__ import annotations
 from typing import Any, Union
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor, nn
 
-from lightning_hybrid._agree import agree
-
-__all__ = ["batch_size", "loader_micro_batch", "micro_batches", "shapes", "split", "unpacking"]
+__all__ = ["loader_micro_batch", "shapes", "unpacking"]
 
 
 def unpacking(block: nn.Module) -> nn.Module:
@@ -27,18 +24,6 @@ class _Unpack(nn.Module):
 
     def forward(self, x: Any) -> Any:
         return self.block(*x) if isinstance(x, tuple) else self.block(x)
-
-
-def split(value: Any, parts: int) -> list[Any]:
-    if isinstance(value, Tensor):
-        return list(value.chunk(parts))
-    if isinstance(value, (tuple, list)):
-        return [tuple(items) for items in zip(*(split(v, parts) for v in value))]
-    raise TypeError(f"pipeline inputs and targets must be tensors or tuples of tensors, got {type(value).__name__}")
-
-
-def batch_size(value: Any) -> int:
-    return value.shape[0] if isinstance(value, Tensor) else batch_size(value[0])
 
 
 def shapes(value: Any) -> Any:
@@ -64,24 +49,3 @@ def loader_micro_batch(trainer: pl.Trainer, configured: Union[int, None], num_mi
             " that is a multiple of it."
         )
     return batch // num_microbatches
-
-
-def micro_batches(module: nn.Module, batch: Any, num_microbatches: int, device: torch.device) -> list[tuple[Any, Any]]:
-    """``batch`` as the pipeline contract reads it (``pipeline_batch``, else ``(batch[0], batch[1])``), cut
-    into ``num_microbatches`` equal ``(inputs, target)`` pairs; the same batch size on every rank, checked."""
-    fn = getattr(module, "pipeline_batch", None)  # optional in the contract
-    inputs, target = fn(batch) if callable(fn) else (batch[0], batch[1])
-    size = batch_size(inputs)
-    low, high = agree([-size, size], op="max", device=device)
-    if -low != high:
-        raise ValueError(
-            f"the ranks got batches of {-low:.0f} to {high:.0f} samples; the data-parallel mean weighs every"
-            " replica's batch equally, so every rank needs the same batch size (drop_last=True, or a batch size"
-            " that divides the data on every rank, validation included)."
-        )
-    if size % num_microbatches:
-        raise ValueError(
-            f"a batch of {size} samples cannot be cut into num_microbatches={num_microbatches} equal micro-batches;"
-            " use a batch size divisible by it (and drop_last=True if the last batch is shorter)."
-        )
-    return list(zip(split(inputs, num_microbatches), split(target, num_microbatches)))

@@ -9,10 +9,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from lightning_hybrid._lightning_compat import group_adding_callbacks
+from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_averaging
-from lightning_hybrid.strategies._deepspeed_config import precision_kind
-from lightning_hybrid.strategies._pipeline import check_pipeline_contract
-from lightning_hybrid.strategies._tied import find_ties
+from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 __all__ = ["optimizer_problem", "refuse_unsupported"]
 
