@@ -21,6 +21,7 @@ __all__ = [
     "attach_device_mesh",
     "averaging_callbacks",
     "dump_checkpoint",
+    "grad_scaler",
     "group_adding_callbacks",
     "hooks_before_optimizer_step",
     "init_processes",
@@ -101,3 +102,11 @@ def syncs_batchnorm(strategy: Any) -> bool:
     """Whether the Trainer asked the strategy to convert BatchNorm layers (``Trainer(sync_batchnorm=True)``
     sets ``Strategy._layer_sync``; lightning 2.6.6)."""
     return getattr(strategy, "_layer_sync", None) is not None
+
+
+def grad_scaler(plugin: Precision) -> Any:
+    """The torch ``GradScaler`` of Lightning's fp16 plugins (``MixedPrecision``, ``FSDPPrecision``), else None:
+    such a plugin already skips steps with non-finite gradients. Both keep it in the public attribute ``scaler``."""
+    from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
+
+    return plugin.scaler if isinstance(plugin, (MixedPrecision, FSDPPrecision)) else None

@@ -12,11 +12,13 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 __all__ = [
+    "ChecksItsStrategy",
     "ExactWindowMeans",
     "PipelineLossScaling",
     "ReportsGradientLayout",
     "ShardedCheckpointing",
     "SkipsNonFiniteSteps",
+    "StepsInsideTrainingStep",
     "TakesTensorPartition",
 ]
 
@@ -73,3 +75,28 @@ class ExactWindowMeans(Protocol):
     a short window's gradient again."""
 
     def exact_window_means(self) -> bool: ...
+
+
+@runtime_checkable
+class StepsInsideTrainingStep(Protocol):
+    """A strategy whose engine runs forward, backward, loss scaling, accumulation and the optimizer step of each
+    batch inside ``training_step`` (DeepSpeed's pipeline engine), its accumulation fixed when the engine is built.
+    A callback or plugin that must act between those steps refuses itself against this, at set-up."""
+
+    @property
+    def engine_name(self) -> str:
+        """Whose engine it is, for messages ("DeepSpeed")."""
+        ...
+
+    @property
+    def engine_micro_batches(self) -> int:
+        """Micro-batches the engine accumulates per optimizer step."""
+        ...
+
+
+@runtime_checkable
+class ChecksItsStrategy(Protocol):
+    """A precision plugin that refuses a strategy it cannot work under. Plugins have no set-up hook: a strategy
+    calls this on its precision plugin at set-up, before it builds anything."""
+
+    def check_strategy(self, strategy: Any) -> None: ...

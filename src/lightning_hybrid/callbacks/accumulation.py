@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree
-from lightning_hybrid._protocols import ExactWindowMeans, ReportsGradientLayout
+from lightning_hybrid._protocols import ExactWindowMeans, ReportsGradientLayout, StepsInsideTrainingStep
 from lightning_hybrid._validate import check_choice, check_int, check_number
 from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
 
@@ -135,6 +135,16 @@ class AccumulationScheduler(Callback):
         return self.k * self._micro_samples
 
     # -------------------------------------------------------------------------------------- hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if stage == "fit" and isinstance(strategy, StepsInsideTrainingStep):
+            raise ValueError(
+                f"AccumulationScheduler cannot change {strategy.engine_name}'s accumulation, which is fixed at engine"
+                f" set-up ({strategy.engine_micro_batches} micro-batches per step); raise num_microbatches or the"
+                " batch size, or use HybridParallelStrategy for accumulation schedules."
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._elastic import prepare_elastic_restart
-from lightning_hybrid._lightning_compat import LastCheckpointLookup
-from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteSteps
+from lightning_hybrid._lightning_compat import LastCheckpointLookup, grad_scaler
+from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteSteps, StepsInsideTrainingStep
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid._validate import check_bool, check_choice, check_int, check_number
@@ -214,6 +214,13 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         self.dirpath = str(root)
         if stage != "fit":
             return
+        if self.nan_policy == "skip" and isinstance(trainer.strategy, StepsInsideTrainingStep):
+            raise ValueError(
+                f"FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under"
+                f" {type(trainer.strategy).__name__}: its engine steps inside training_step, before any callback sees"
+                " the loss. Pass nan_policy='rollback' (back to the last checkpoint on a non-finite loss), 'raise' or"
+                " None."
+            )
         self._flag.install()  # from here on a signal is honoured at the next batch boundary
         self._resume.prepare_folder(trainer)
         sharded = isinstance(trainer.strategy, (ModelParallelStrategy, ShardedCheckpointing))
@@ -291,7 +298,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         plugin = trainer.precision_plugin
         if self._nan is None:
             return
-        if getattr(plugin, "scaler", None) is not None or isinstance(plugin, SkipsNonFiniteSteps):
+        if grad_scaler(plugin) is not None or isinstance(plugin, SkipsNonFiniteSteps):
             self._nan.now = False
             return  # the precision plugin already skips steps with overflowing gradients, agreed across ranks
         self._nan.check_gradients(trainer, optimizer)

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._lightning_compat import hooks_before_optimizer_step
+from lightning_hybrid._protocols import StepsInsideTrainingStep
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import mul_
 from lightning_hybrid._validate import check_choice, check_int
@@ -94,6 +95,15 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         self._wrapped_schedulers = False
 
     # ------------------------------------------------------------------------------------- readable
+
+    def check_strategy(self, strategy: Any) -> None:
+        """Refuse an engine that scales the loss itself (``ChecksItsStrategy``)."""
+        if isinstance(strategy, StepsInsideTrainingStep):
+            raise ValueError(
+                f"AdaptiveLossScalingPrecision cannot drive {strategy.engine_name}'s engine, which scales the loss"
+                " itself: pass precision='16-mixed' (the engine's loss scaler, tuned under `fp16` in its config) or"
+                " use HybridParallelStrategy for the adaptive, rank-agreed scaler."
+            )
 
     @property
     def loss_scale(self) -> float:

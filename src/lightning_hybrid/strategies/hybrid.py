@@ -372,9 +372,7 @@ class HybridParallelStrategy(ShardedCheckpointIO, ModelParallelStrategy):
         return self._pretrained_bytes_read
 
     def _connect_precision(self) -> None:
-        scaler = (
-            getattr(self.precision_plugin, "scaler", None) if type(self.precision_plugin) is MixedPrecision else None
-        )
+        scaler = self.precision_plugin.scaler if type(self.precision_plugin) is MixedPrecision else None
         if scaler is not None and self.layout.zero_stage >= 1 and self.layout.data_parallel_size > 1:
             # torch's GradScaler finds overflow in this rank's shard only: ranks would skip different steps
             raise ValueError(

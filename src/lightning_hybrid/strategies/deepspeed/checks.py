@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -9,6 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
 from lightning_hybrid._lightning_compat import group_adding_callbacks
+from lightning_hybrid._protocols import ChecksItsStrategy, TakesTensorPartition
 from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_averaging
 from lightning_hybrid.strategies.deepspeed.config import precision_kind
@@ -20,16 +23,15 @@ def refuse_unsupported(
     trainer: pl.Trainer,
     module: pl.LightningModule,
     plugin: Precision,
+    strategy: Any,
     *,
     zero_stage: int,
     num_microbatches: int,
     device: torch.device,
 ) -> None:
     """Raise, with what to use instead, for what DeepSpeed's engine cannot run as the Trainer asks. Reads
-    only what every rank has, so every rank raises the same error."""
-    from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
-    from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
-
+    only what every rank has, so every rank raises the same error. Callbacks that cannot work inside the engine
+    refuse themselves (``StepsInsideTrainingStep``); the precision plugin is asked here (``ChecksItsStrategy``)."""
     check_pipeline_contract(module)
     if trainer.state.fn == TrainerFn.FITTING:
         refuse_averaging(trainer, None, engine="DeepSpeedPipelineStrategy")
@@ -66,12 +68,8 @@ def refuse_unsupported(
             " DeepSpeed's TiedLayerSpec from self.layers, so each stage would train its own copy. Use"
             " HybridParallelStrategy, which keeps tied parameters exact across stages."
         )
-    if isinstance(plugin, AdaptiveLossScalingPrecision):
-        raise ValueError(
-            "AdaptiveLossScalingPrecision cannot drive DeepSpeed's engine, which scales the loss itself: pass"
-            " precision='16-mixed' (DeepSpeed's loss scaler, tuned under `fp16` in the config) or use"
-            " HybridParallelStrategy for the adaptive, rank-agreed scaler."
-        )
+    if isinstance(plugin, ChecksItsStrategy):
+        plugin.check_strategy(strategy)
     if type(plugin) not in (Precision, MixedPrecision):
         raise ValueError(
             f"DeepSpeedPipelineStrategy runs precision '32-true', '16-mixed' or 'bf16-mixed' inside DeepSpeed's"
@@ -85,12 +83,6 @@ def refuse_unsupported(
             "fp16 with zero_stage=0 keeps DeepSpeed's fp32 master weights where the pack's checkpoints cannot"
             " read them; use zero_stage=1 (the same memory per stage for the weights, sharded optimizer state)."
         )
-    if any(isinstance(cb, AccumulationScheduler) for cb in trainer.callbacks):
-        raise ValueError(
-            "AccumulationScheduler cannot change DeepSpeed's accumulation, which is fixed at engine set-up"
-            f" (num_microbatches={num_microbatches} micro-batches per step); raise num_microbatches or the batch size,"
-            " or use HybridParallelStrategy for accumulation schedules."
-        )
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): DeepSpeed's pipeline"
@@ -99,14 +91,6 @@ def refuse_unsupported(
         )
     if trainer.gradient_clip_algorithm not in (None, "norm"):
         raise ValueError(f"DeepSpeed clips gradients by their norm only, not by {trainer.gradient_clip_algorithm!r}.")
-    for cb in trainer.callbacks:
-        if isinstance(cb, FaultTolerantCheckpoint) and cb.nan_policy == "skip":
-            raise ValueError(
-                "FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under"
-                " DeepSpeedPipelineStrategy: the engine steps inside training_step, before any callback sees the"
-                " loss. Pass nan_policy='rollback' (back to the last checkpoint on a non-finite loss), 'raise' or"
-                " None."
-            )
 
 
 def optimizer_problem(optimizer: Optimizer | None, *, zero_stage: int, precision: str, stage: int) -> str | None:
@@ -126,10 +110,9 @@ def optimizer_problem(optimizer: Optimizer | None, *, zero_stage: int, precision
     flat = zero_stage >= 1 or precision_kind(precision) is not None
     if flat and problem is None:
         from lightning_hybrid.optim._shardable import is_elementwise
-        from lightning_hybrid.optim.layerwise import LayerwiseOptimizer
 
         name = type(optimizer).__name__
-        if isinstance(optimizer, LayerwiseOptimizer):
+        if isinstance(optimizer, TakesTensorPartition):
             problem = (
                 f"{name} takes per-tensor norms, and DeepSpeed's ZeRO-1 and mixed-precision optimizers step one"
                 " flat partition of all tensors; use zero_stage=0 in fp32, or HybridParallelStrategy, which tells"

@@ -204,6 +204,15 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             "tied_parameters": [],
         }
 
+    @property
+    def engine_name(self) -> str:
+        return "DeepSpeed"
+
+    @property
+    def engine_micro_batches(self) -> int:
+        """Micro-batches DeepSpeed's engine accumulates per optimizer step (``StepsInsideTrainingStep``)."""
+        return self._m
+
     # ------------------------------------------------------------------------------------------ set-up
 
     @override
@@ -285,7 +294,13 @@ class DeepSpeedPipelineStrategy(ShardedCheckpointIO, DDPStrategy):
             plugin = Precision()
             plugin.precision = self.precision_plugin.precision
         refuse_unsupported(
-            trainer, module, plugin, zero_stage=self._zero_stage, num_microbatches=self._m, device=self.root_device
+            trainer,
+            module,
+            plugin,
+            self,
+            zero_stage=self._zero_stage,
+            num_microbatches=self._m,
+            device=self.root_device,
         )
 
     def _build_pipeline(self, module: pl.LightningModule) -> nn.Module:
