@@ -5,6 +5,7 @@ Each is used exactly as Lightning's own code uses it; a rename in a future relea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -26,6 +27,7 @@ __all__ = [
     "hooks_before_optimizer_step",
     "init_processes",
     "restart_train_iterator",
+    "share_zero_grad",
     "syncs_batchnorm",
     "train_dataloaders",
 ]
@@ -110,3 +112,13 @@ def grad_scaler(plugin: Precision) -> Any:
     from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision
 
     return plugin.scaler if isinstance(plugin, (MixedPrecision, FSDPPrecision)) else None
+
+
+def share_zero_grad(wrappers: Iterable[Any]) -> None:
+    """Lightning's ``LightningOptimizer`` copied its optimizer's attributes when it was made: the ``zero_grad``
+    ZeRO-1/2's ``FlatShardedOptimizer`` set on an optimizer since then is given to its wrapper too (what
+    ``self.optimizers()`` returns under manual optimization). lightning 2.6.6's wrapper copies them in ``__init__``."""
+    for wrapper in wrappers:
+        own = vars(wrapper.optimizer).get("zero_grad")
+        if own is not None:
+            wrapper.zero_grad = own

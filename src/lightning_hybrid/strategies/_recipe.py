@@ -34,7 +34,8 @@ from lightning_hybrid.strategies.zero.fully_sharded import (
     check_fully_shardable,
     shard_fully,
 )
-from lightning_hybrid.strategies.zero.grad_sync import GradientSync, gradient_sync
+from lightning_hybrid.strategies.zero.grad_sync import GradientSync
+from lightning_hybrid.strategies.zero.stages import gradient_sync
 
 __all__ = ["Prepared", "prepare_module"]
 

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_hybrid._agree import agree
 from lightning_hybrid._elastic import prepare_elastic_restart
-from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes, syncs_batchnorm
+from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes, share_zero_grad, syncs_batchnorm
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
@@ -62,7 +62,6 @@ from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, weigh
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
 from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
-from lightning_hybrid.strategies.zero.flat_optimizer import share_zero_grad
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
 
 __all__ = ["HybridParallelStrategy"]
