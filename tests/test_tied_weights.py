@@ -9,7 +9,7 @@ from helpers import launch
 from reference import reference_run
 
 from lightning_hybrid.checkpoint._sharded import read_sharded_index
-from lightning_hybrid.checkpoint.pretrained import _PackCheckpoint
+from lightning_hybrid.checkpoint.sources import _PackCheckpoint
 from lightning_hybrid.contract import Tie, find_ties
 from lightning_hybrid.strategies._layout import ZeroConfig, resolve_layout
 from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, check_ties

@@ -8,11 +8,10 @@ sampler ownership (``_samplers``), preemption and Slurm (``_preemption``), the N
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -21,7 +20,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -33,29 +31,26 @@ from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteStep
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid._validate import check_bool, check_choice, check_int, check_number
-from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName, roll_back
+from lightning_hybrid.callbacks._actions import CheckpointActions, event
+from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName
 from lightning_hybrid.callbacks._preemption import (
     PREEMPTION_EXIT_CODE,
     PREEMPTION_SAVE_FAILED_EXIT_CODE,
     SignalFlag,
-    exit_after_preemption,
     parse_signals,
-    under_slurm,
 )
-from lightning_hybrid.callbacks._resume import capture_rng, restore_rng
+from lightning_hybrid.callbacks._resume import restore_rng
 from lightning_hybrid.callbacks._resume_choice import ResumeState
 from lightning_hybrid.callbacks._samplers import SamplerOwner
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
-from lightning_hybrid.callbacks._writer import CheckpointWriter, load_target
-from lightning_hybrid.checkpoint._store import StepFolder
+from lightning_hybrid.callbacks._writer import CheckpointWriter
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "PREEMPTION_SAVE_FAILED_EXIT_CODE", "FaultTolerantCheckpoint"]
 
 log = logging.getLogger(__name__)
-_event = rank_zero_only(log.warning)  # failures handled: shown whatever the warning filters, once per job
 
 
-class FaultTolerantCheckpoint(LastCheckpointLookup):
+class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     """Failure-aware checkpointing: atomic, checksummed, agreed across ranks, exact to resume.
 
     Each checkpoint is a folder ``dirpath/step-<N>`` whose files are written under temporary names,
@@ -153,12 +148,12 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
         """The checkpoint this run resumed from (the pointer resolved), if any."""
         self._root = Path(dirpath)
         self._flag = SignalFlag(parsed_signals)
-        self._nan = NanPolicy(nan_policy, max_rollbacks=max_rollbacks, report=_event) if nan_policy else None
+        self._nan = NanPolicy(nan_policy, max_rollbacks=max_rollbacks, report=event) if nan_policy else None
         self._samplers = SamplerOwner()
         self._writer: CheckpointWriter | None = None
         self._watchdog: Watchdog | None = None
         self._ckpt_group: dist.ProcessGroup | None = None
-        self._resume = ResumeState(self._root, report=_event)
+        self._resume = ResumeState(self._root, report=event)
         self._last_saved_step = -1  # step of the newest save started
         self._last_save_time = time.monotonic()
         self._seen_step = -1
@@ -234,7 +229,7 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             layout=strategy.checkpoint_layout if isinstance(strategy, ShardedCheckpointing) else None,
             group=self._ckpt_group,
             on_complete=self._on_complete,
-            report=_event,
+            report=event,
         )
         self._resume.agree(
             trainer,
@@ -357,13 +352,6 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
             self._announce_preemption()
             self._preempt(trainer, trainer.global_step)
 
-    @staticmethod
-    def _is_last_step(trainer: pl.Trainer) -> bool:
-        if 0 <= trainer.max_steps <= trainer.global_step:
-            return True
-        last_epoch = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
-        return last_epoch and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
-
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pass  # saves happen at step boundaries only
@@ -393,62 +381,3 @@ class FaultTolerantCheckpoint(LastCheckpointLookup):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._shutdown()
         self._flag.uninstall()
-
-    def _shutdown(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-
-    @contextlib.contextmanager
-    def _io(self) -> Generator[None, None, None]:
-        """Waiting on checkpoint I/O (or a peer's): never a hang for the watchdog, however long."""
-        if self._watchdog is None:
-            yield
-            return
-        with self._watchdog.paused():
-            yield
-
-    # ------------------------------------------------------------------------------------------ saving
-
-    def _save(self, trainer: pl.Trainer, step: int, *, background: bool) -> StepFolder | None:
-        """Start checkpoint ``step`` (after completing the previous one); a synchronous save also completes
-        it and returns the folder (``None`` if it failed on some rank)."""
-        assert self._writer is not None
-        with self._io():
-            self._writer.finish(trainer)
-            per_rank = {"rng": capture_rng(), "data": dict(self._samplers.position), "rank": trainer.global_rank}
-            self._writer.start(trainer, step, per_rank, background=background)
-            self._last_saved_step = step
-            self._last_save_time = time.monotonic()
-            return None if background else self._writer.finish(trainer)
-
-    def _on_complete(self, folder: StepFolder) -> None:
-        """Every rank, once a checkpoint is complete (rank 0 also moves the pointer and prunes old ones)."""
-        self.last_model_path = str(load_target(folder.path))
-        self._resume.completed(folder, keep_last=self.keep_last)
-
-    # ---------------------------------------------------------------------------- failures and policy
-
-    def _rollback(self, trainer: pl.Trainer) -> str | None:
-        assert self._writer is not None
-        with self._io():
-            self._writer.finish(trainer)
-            return roll_back(trainer, Path(self.last_model_path)) if self.last_model_path else None
-
-    def _announce_preemption(self) -> None:
-        if not self._preempting:
-            self._preempting = True
-            rank_zero_info("FaultTolerantCheckpoint: preemption signal received; saving at the next step boundary")
-
-    def _preempt(self, trainer: pl.Trainer, step: int) -> None:
-        """Save what is not saved yet, then exit: 75 (requeued) when the newest work is on disk, 74 when not."""
-        assert self._writer is not None
-        with self._io():
-            saved = True
-            if self._writer.pending is not None:
-                saved = self._writer.finish(trainer) is not None
-            if step > 0 and (step > self._resume.complete_step or not saved):
-                saved = self._save(trainer, step, background=False) is not None
-        self._shutdown()
-        requeue = self.requeue if self.requeue is not None else under_slurm()
-        exit_after_preemption(trainer, step, saved=saved, requeue=requeue, newest=self.last_model_path, report=_event)

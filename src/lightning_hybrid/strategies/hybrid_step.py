@@ -1,0 +1,216 @@
+"""One training step of HybridParallelStrategy: Lightning's step hooks over the pipeline and the gradient sync.
+
+training_step runs the pipeline schedule (or Lightning's own step without a pipeline), weighs counted
+losses, and refuses a step some replicas skip where that would hang; backward hands the schedule's
+gradients back; the step is prepared once (groups added on some stages aligned, groups adopted, gradients
+reduced with the window's correction) before clipping or the optimizer needs it, and optimizer_step
+closes it. Validation, test and predict run the schedule's forward on every stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_hybrid._agree import agree
+from lightning_hybrid.contract import contract_batch
+from lightning_hybrid.strategies._state import (
+    align_added_groups,
+)
+from lightning_hybrid.strategies.pipeline.counted_loss import weighted
+
+
+class HybridStep:
+    """HybridParallelStrategy's step hooks (uses its layout, runner and gradient sync)."""
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            output = super().training_step(*args, **kwargs)
+            self._refuse_skip_on_some_ranks(output)
+            return output if self._counted is None else self._weigh_by_count(output, args[0])
+        module = self.lightning_module
+        assert module is not None
+        sync = self._gradient_sync
+        # the schedule runs forward AND backward here; gradients Lightning's zero_grad could reach wait in the
+        # runner until backward()
+        sync.hold_gradients(False)
+        with self.precision_plugin.train_step_context():
+            loss = self._runner.train_step(
+                args[0],
+                accumulation=module.trainer.accumulate_grad_batches,
+                set_aside=sync.optimizer_holds_model_parameters,
+            )
+        sync.after_backward()
+        sync.hold_gradients(True)  # until backward(): Lightning's zero_grad must not discard them
+        if self._counted is not None:
+            self._counted.window += self._runner.last_count  # over every replica already
+        module.log("train_loss", loss, prog_bar=True, sync_dist=False)
+        return loss
+
+    def _refuse_skip_on_some_ranks(self, output: Any) -> None:
+        """A training_step that returned no loss (Lightning skips its backward) on some replicas only: under
+        ZeRO-3 the others would wait forever in FSDP2's reduce-scatter, which every replica's backward takes
+        part in. One flag agreed per micro-batch, under ZeRO-3 at dp>1 only (ZeRO-0/1/2 reduce when the window
+        closes, on every rank: a replica that skipped contributes no gradient, as a loss of zero would)."""
+        module = self.lightning_module
+        if self.layout.zero_stage != 3 or self.layout.data_parallel_size == 1 or module is None:
+            return
+        if not module.automatic_optimization:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else output
+        skipped = 0.0 if isinstance(loss, Tensor) else 1.0
+        most, least = agree([skipped, -skipped], op="max", device=self.root_device, group=self.data_parallel_group)
+        if most != -least:
+            raise RuntimeError(
+                "training_step returned no loss on some data-parallel replicas only; under zero_stage=3 each"
+                " replica's backward takes part in FSDP2's reduce-scatter, so the others would wait in it forever."
+                " Skip a batch on every replica alike (decide it from an all-reduced flag), or return a loss of"
+                " zero (`loss * 0`) on the replicas that have nothing to learn from it."
+            )
+
+    def _weigh_by_count(self, output: Any, batch: Any) -> Any:
+        """No pipeline, a counted loss: the rank's mean stays the value (as under DDP); backward sees it weighted
+        by the batch's count (Lightning's division by the accumulation undone), corrected when the window closes."""
+        counted, module = self._counted, self.lightning_module
+        assert counted is not None and module is not None
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor):  # training_step returned nothing to step with (Lightning skips it)
+            return output
+        n = counted.count(contract_batch(module, batch)[1])
+        counted.agree_reference(n, self.layout.data_parallel_size, group=self.data_parallel_group)
+        counted.window += n
+        if n == 0:
+            # nothing counted on this rank (all padding): its mean is 0/0; it adds nothing to the window and
+            # reports 0. The zero backpropagates zeros to one parameter, so Lightning's backward still runs
+            anchor = next(p for p in module.parameters() if p.requires_grad)
+            loss = (anchor.to_local() if isinstance(anchor, DTensor) else anchor).sum() * 0.0
+        else:
+            loss = weighted(loss, counted.weight(n) * module.trainer.accumulate_grad_batches)
+        return {**output, "loss": loss} if isinstance(output, dict) else loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Union[Optimizer, None], *args: Any, **kwargs: Any) -> Tensor:
+        # Strategy.backward's steps, with the pipeline's hand-over in place of autograd, and the ZeRO-2 hand-off
+        # of what backward's hooks did not reduce before on_after_backward sees the gradients
+        module = self.lightning_module
+        assert module is not None
+        self._unprepare()
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._runner is None:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            self._gradient_sync.after_backward()
+        else:
+            self._gradient_sync.hold_gradients(False)
+            self._runner.backward()  # the schedule ran backward in training_step
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Union[Optimizer, LightningOptimizer],
+        closure: Callable[[], Any],
+        model: Union[pl.LightningModule, nn.Module, None] = None,
+        **kwargs: Any,
+    ) -> Any:
+        optimizer, sync = self._unwrap(optimizer), self._gradient_sync
+
+        def closure_then_reduce() -> Any:
+            out = closure()
+            self._prepare_step(optimizer)
+            return out
+
+        try:
+            result = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+            sync.after_step(optimizer)
+        finally:
+            sync.end_step(optimizer)
+            self._prepared.pop(id(optimizer), None)
+        if self._buffers is not None:
+            self._buffers.broadcast()
+        return result
+
+    def _prepare_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """The window's last backward ran: groups added since the last step join (ZeRO-1/2 flatten them), the
+        gradients are reduced, and from here to the end of the step ZeRO-1/2's param groups hold the chunks
+        this rank steps (what the precision plugin unscales and clips). Once per step: inside the closure,
+        or earlier when manual optimization clips its gradients before ``optimizer.step()``."""
+        optimizer = self._unwrap(optimizer)
+        if id(optimizer) in self._prepared:
+            return
+        sync = self._gradient_sync
+        if self.layout.pipeline_parallel_size > 1:  # a group added on some stages only: empty on the others
+            align_added_groups(optimizer, device=self.root_device)
+        sync.adopt_param_groups(optimizer)
+        sync.reduce(optimizer, scale=self._window_correction())
+        sync.begin_step(optimizer)
+        self._prepared[id(optimizer)] = optimizer
+
+    def _prepare_for_clip(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """Manual optimization clips before ``optimizer.step()``: the step's gradients are made ready first.
+        Automatic optimization clips inside the step, after its closure made them ready (a clip called from
+        another hook keeps Lightning's meaning: the gradients as they are)."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            self._prepare_step(optimizer)
+
+    def _unprepare(self) -> None:
+        """A backward after the step's gradients were made ready (LBFGS evaluates its closure again; a manual
+        loop clipped and then ran another backward): they are made ready again when next needed."""
+        for optimizer in self._prepared.values():
+            self._gradient_sync.end_step(optimizer)
+        self._prepared.clear()
+
+    def _window_correction(self) -> Union[float, None]:
+        """A counted loss: the factor that turns the replicas' mean gradient into the window's exact mean."""
+        if self._counted is None:
+            return None
+        if self._runner is not None:  # the pipeline's loss all-reduce already counted every replica
+            window, self._counted.window = self._counted.window, 0.0
+        else:
+            window = self._counted.global_window(self.data_parallel_group)
+        return self._counted.factor(self.layout.data_parallel_size, window=window)
+
+    def _pipelined_eval_step(self, hook: str, metric: str, batch: Any, batch_idx: int) -> Any:
+        assert self._runner is not None and self.lightning_module is not None
+        user_hook = getattr(self.lightning_module, f"pipeline_{hook}", None)  # optional in the contract
+        with self.precision_plugin.val_step_context():
+            loss, result = self._runner.eval_step(
+                batch, batch_idx, user_hook=user_hook if callable(user_hook) else None
+            )
+        if result is None:
+            self.lightning_module.log(metric, loss, prog_bar=True, sync_dist=False)
+            return loss
+        return result
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipelined_eval_step("validation_step", "val_loss", args[0], _batch_idx(args, kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipelined_eval_step("test_step", "test_loss", args[0], _batch_idx(args, kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runner is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._runner.predict(args[0])  # the last stage's outputs, on every pipeline rank
+
+
+def _batch_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    return args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
