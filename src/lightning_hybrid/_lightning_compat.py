@@ -25,7 +25,11 @@ __all__ = [
     "grad_scaler",
     "group_adding_callbacks",
     "hooks_before_optimizer_step",
+    "fit_data_source",
     "init_processes",
+    "is_mock_optimizer",
+    "lightning_optimizers",
+    "process_group_backend",
     "restart_train_iterator",
     "share_zero_grad",
     "syncs_batchnorm",
@@ -122,3 +126,26 @@ def share_zero_grad(wrappers: Iterable[Any]) -> None:
         own = vars(wrapper.optimizer).get("zero_grad")
         if own is not None:
             wrapper.zero_grad = own
+
+
+def lightning_optimizers(strategy: Any) -> list[Any]:
+    """The ``LightningOptimizer`` wrappers a strategy made of its optimizers (``Strategy._lightning_optimizers``)."""
+    return strategy._lightning_optimizers
+
+
+def process_group_backend(strategy: Any) -> str:
+    """The backend ``DDPStrategy`` chose for its process group (``DDPStrategy._get_process_group_backend``)."""
+    return strategy._get_process_group_backend()
+
+
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is the stand-in Lightning sets when ``configure_optimizers`` returned None."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+
+    return isinstance(optimizer, _MockOptimizer)
+
+
+def fit_data_source(trainer: pl.Trainer) -> Any:
+    """The training data source of the fit loop (``fit_loop._data_source``: ``is_defined()``, ``dataloader()``),
+    where Lightning's own DeepSpeed strategy reads the batch size before training."""
+    return trainer.fit_loop._data_source

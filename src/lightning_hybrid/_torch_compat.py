@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "DCP_PRIVATE_GLOBALS",
     "default_store",
+    "grad_scaler_growth_tracker",
     "init_optimizer_state",
     "mul_",
     "queue_backward_callback",
@@ -194,3 +196,18 @@ def _gloo_idle(tid: str) -> bool | None:
     # FUTEX_WAIT_BITSET without a timeout: a condition-variable wait. Not FUTEX_WAIT (a mutex, with work left)
     # and not a timed wait (CPython's GIL wait has a timeout)
     return (op & 0x7F) == 9 and timeout == 0
+
+
+# Private names torch 2.13's DCP pickles into a checkpoint's `.metadata` (the safe loader allows them by name).
+DCP_PRIVATE_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({"_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # maps a layout's name to torch.strided & co.
+}
+
+
+def grad_scaler_growth_tracker(state_dict: dict[str, Any]) -> int | None:
+    """The growth tracker of a torch ``GradScaler.state_dict()`` (its ``_growth_tracker`` key), or None when
+    ``state_dict`` is not one."""
+    value = state_dict.get("_growth_tracker")
+    return None if value is None else int(value)

@@ -28,6 +28,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from lightning_hybrid._torch_compat import DCP_PRIVATE_GLOBALS
+
 __all__ = [
     "UnsafeCheckpointError",
     "SafeFileSystemReader",
@@ -54,11 +56,11 @@ _ALLOWED: dict[str, frozenset[str]] = {
             "TensorProperties",
             "MetadataIndex",
             "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
         }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),  # maps a layout's name to torch.strided & co.
+    )
+    | DCP_PRIVATE_GLOBALS["torch.distributed.checkpoint.metadata"],
+    "torch.distributed.checkpoint.filesystem": DCP_PRIVATE_GLOBALS["torch.distributed.checkpoint.filesystem"],
+    "torch.serialization": DCP_PRIVATE_GLOBALS["torch.serialization"],
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
     "collections": frozenset({"OrderedDict"}),

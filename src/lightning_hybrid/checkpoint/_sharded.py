@@ -19,10 +19,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.checkpoint._files import FileEntry, atomic_write, dcp_writer
 from lightning_hybrid.checkpoint._flat_shards import FlatShardLoadPlanner, FlatShardSavePlanner
-from lightning_hybrid.checkpoint._format import META_FILE
+from lightning_hybrid.checkpoint._format import MANIFEST, META_FILE, ManifestError, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import (
+    DCP_METADATA,
     SafeFileSystemReader,
     UnsafeCheckpointError,
     load_payload,
@@ -32,10 +34,12 @@ from lightning_hybrid.checkpoint._safe_load import (
 __all__ = [
     "GROUP_INDEX",
     "LAYOUT_KEY",
+    "agreed_checkpoint_folder",
     "read_meta",
     "read_sharded",
     "read_sharded_index",
     "split_checkpoint",
+    "verified_checkpoint",
     "write_sharded",
 ]
 
@@ -115,3 +119,38 @@ def read_sharded(
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return load_payload(Path(path) / META_FILE)
+
+
+def missing_index(path: Path) -> str | None:
+    """Why ``path`` is not a complete sharded checkpoint (no DCP index), or None: the check every reader makes."""
+    if (path / DCP_METADATA).is_file():
+        return None
+    return (
+        f"{path} is not a complete sharded checkpoint of this pack (it has no {DCP_METADATA} file); pass the"
+        " folder that trainer.save_checkpoint or FaultTolerantCheckpoint wrote."
+    )
+
+
+def verified_checkpoint(path: str | os.PathLike, *, hashes: bool = True) -> Path:
+    """``path`` resolved, once it is a complete sharded checkpoint that matches its manifest when it has one (one
+    process; ``hashes=False`` checks the files' presence and sizes only, as a rank does whose peer hashed them)."""
+    path = Path(path).resolve()
+    problem = missing_index(path)
+    if problem:
+        raise FileNotFoundError(problem)
+    if (path / MANIFEST).exists():
+        try:
+            problem = verify(path, read_manifest(path), hash_names=None if hashes else ())
+        except ManifestError as exc:
+            problem = f"unreadable manifest: {exc}"
+        if problem:
+            raise ValueError(f"{path} fails verification: {problem}.")
+    return path
+
+
+def agreed_checkpoint_folder(path: Path, device: torch.device) -> Path:
+    """``path`` once every rank found it a complete sharded checkpoint; else every rank raises the same error."""
+    problem = agreed_problem(missing_index(path), device=device)
+    if problem:
+        raise FileNotFoundError(problem)
+    return path

@@ -14,6 +14,15 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_hybrid.checkpoint._flat_shards import FlatShard
+from lightning_hybrid.checkpoint._sharded import (
+    LAYOUT_KEY,
+    read_meta,
+    read_sharded,
+    read_sharded_index,
+    verified_checkpoint,
+)
+
 __all__ = ["WeightsSource", "open_weights"]
 
 _SAFETENSORS_DTYPES = {
@@ -74,9 +83,7 @@ class _PackCheckpoint:
     _PREFIX = "state_dict."
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
-        from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded_index
         from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
-        from lightning_hybrid.utilities.consolidate import verified_checkpoint
 
         self._path = verified_checkpoint(path, hashes=verify)
         metadata = read_sharded_index(self._path).state_dict_metadata
@@ -95,8 +102,6 @@ class _PackCheckpoint:
         return out
 
     def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
-        from lightning_hybrid.checkpoint._flat_shards import FlatShard
-        from lightning_hybrid.checkpoint._sharded import read_sharded
 
         key = self._stored.stored_key(key)
         meta = self._meta[key]

@@ -22,7 +22,7 @@ from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._lightning_compat import hooks_before_optimizer_step
 from lightning_hybrid._protocols import StepsInsideTrainingStep
 from lightning_hybrid._skip import skip_schedulers_when
-from lightning_hybrid._torch_compat import mul_
+from lightning_hybrid._torch_compat import grad_scaler_growth_tracker, mul_
 from lightning_hybrid._validate import check_choice, check_int
 from lightning_hybrid.plugins._clipping import MeshAwareClippingMixin
 from lightning_hybrid.plugins._loss_scale import LossScaleConfig, LossScaler, Policy
@@ -243,9 +243,10 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "_growth_tracker" in state_dict:  # torch GradScaler's state (Lightning's MixedPrecision)
+        tracker = grad_scaler_growth_tracker(state_dict)
+        if tracker is not None:  # torch GradScaler's state (Lightning's MixedPrecision)
             self.scaler_state.state.scale = float(state_dict["scale"])
-            self.scaler_state.state.growth_tracker = int(state_dict["_growth_tracker"])
+            self.scaler_state.state.growth_tracker = tracker
             return
         self.scaler_state.load_state_dict(state_dict)
 

@@ -35,6 +35,7 @@ from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import (
     GROUP_INDEX,
     LAYOUT_KEY,
+    agreed_checkpoint_folder,
     read_meta,
     read_sharded,
     read_sharded_index,
@@ -212,11 +213,7 @@ def load_sharded_checkpoint(
     in place; with ``restore_groups`` the param groups the checkpoint's run added during training are rebuilt
     first (a resume; not a roll-back inside a run, which keeps its groups). Returns the rest of the checkpoint
     (``meta.pt``)."""
-    if not (path / DCP_METADATA).is_file():
-        raise FileNotFoundError(
-            f"{path} is not a sharded checkpoint written by HybridParallelStrategy (no {DCP_METADATA} file); it may"
-            " be incomplete. Pass the checkpoint folder that `trainer.save_checkpoint` created."
-        )
+    agreed_checkpoint_folder(path, device)
     saved = read_sharded_index(path).state_dict_metadata
 
     # the model: DCP reshards whatever layout wrote it into this rank's tensors (plain or DTensor)

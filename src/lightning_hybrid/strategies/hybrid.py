@@ -30,7 +30,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._elastic import prepare_elastic_restart
-from lightning_hybrid._lightning_compat import attach_device_mesh, init_processes, share_zero_grad, syncs_batchnorm
+from lightning_hybrid._lightning_compat import (
+    attach_device_mesh,
+    init_processes,
+    lightning_optimizers,
+    share_zero_grad,
+    syncs_batchnorm,
+)
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
@@ -314,14 +320,14 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
                     " yourself), or use one optimizer with automatic_optimization=True."
                 )
             self._gradient_sync.attach([self._unwrap(o) for o in self.optimizers], named_parameters(module))
-            share_zero_grad(self._lightning_optimizers)
+            share_zero_grad(lightning_optimizers(self))
         self._connect_precision()
         self.setup_precision_plugin()
         self._training_started = False
 
     @property
     def optimizers(self) -> list[Optimizer]:
-        return self._optimizers
+        return ModelParallelStrategy.optimizers.fget(self)  # type: ignore[attr-defined]
 
     @optimizers.setter
     def optimizers(self, optimizers: list[Optimizer]) -> None:
@@ -329,7 +335,7 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
         # each new wrapper gets the ZeRO-1/2 zero_grad of its optimizer (what self.optimizers() is under manual
         # optimization; Lightning's wrapper would otherwise call the optimizer class's own zero_grad)
         ModelParallelStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
-        share_zero_grad(self._lightning_optimizers)
+        share_zero_grad(lightning_optimizers(self))
 
     @override
     def on_train_start(self) -> None:

@@ -20,27 +20,15 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_hybrid.checkpoint._files import atomic_write
-from lightning_hybrid.checkpoint._format import MANIFEST, ManifestError, read_manifest, verify
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta, read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import (
+    LAYOUT_KEY,
+    read_meta,
+    read_sharded,
+    read_sharded_index,
+    verified_checkpoint,
+)
 
-__all__ = ["consolidate_checkpoint", "main", "verified_checkpoint"]
-
-
-def verified_checkpoint(path: str | Path, *, hashes: bool = True) -> Path:
-    """``path`` resolved, once it is a complete sharded checkpoint that matches its manifest (when it has one;
-    ``hashes=False`` checks the files' presence and sizes only, as a rank does whose peer hashed them)."""
-    path = Path(path).resolve()
-    if not (path / DCP_METADATA).is_file():
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint: it has no {DCP_METADATA} file.")
-    if (path / MANIFEST).exists():
-        try:
-            problem = verify(path, read_manifest(path), hash_names=None if hashes else ())
-        except ManifestError as exc:
-            problem = f"unreadable manifest: {exc}"
-        if problem:
-            raise ValueError(f"{path} fails verification: {problem}.")
-    return path
+__all__ = ["consolidate_checkpoint", "main"]
 
 
 def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> dict[str, torch.Tensor]:

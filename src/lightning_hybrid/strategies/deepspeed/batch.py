@@ -7,6 +7,8 @@ from typing import Any, Union
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
+from lightning_hybrid._lightning_compat import fit_data_source
+
 __all__ = ["loader_micro_batch", "shapes", "unpacking"]
 
 
@@ -35,7 +37,7 @@ def shapes(value: Any) -> Any:
 def loader_micro_batch(trainer: pl.Trainer, configured: Union[int, None], num_microbatches: int) -> int:
     """The training DataLoader's batch size / ``num_microbatches`` (the config's value, or 1, when the loader
     does not say it before training; every batch is checked again by :func:`micro_batches`)."""
-    source = trainer.fit_loop._data_source  # what Lightning itself reads the batch size from for DeepSpeed
+    source = fit_data_source(trainer)  # what Lightning itself reads the batch size from for DeepSpeed
     try:
         loader = source.dataloader() if source.is_defined() else None
         batch = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)

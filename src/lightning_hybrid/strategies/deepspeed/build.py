@@ -14,6 +14,7 @@ from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.contract import mark_cut, refuse_cut_module
 from lightning_hybrid.strategies.deepspeed.batch import unpacking
+from lightning_hybrid.strategies.deepspeed.compat import stage_blocks
 from lightning_hybrid.strategies.deepspeed.config import EngineRequest, merge_config
 
 __all__ = ["build_pipeline", "start_engine"]
@@ -47,7 +48,7 @@ def build_pipeline(
         partition_method=partition_method,
         activation_checkpoint_interval=activation_checkpoint_interval,
     )
-    start, stop = pipe._local_start, pipe._local_stop  # this stage's blocks
+    start, stop = stage_blocks(pipe)  # this stage's blocks
     problem = None
     if start >= stop:
         problem = (

@@ -31,8 +31,8 @@ from typing_extensions import override
 from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._torch_compat import init_optimizer_state
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, view_boxes
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
-from lightning_hybrid.checkpoint._sharded import read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import agreed_checkpoint_folder, read_sharded, read_sharded_index
+from lightning_hybrid.strategies.deepspeed.compat import fp32_partition_of
 from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 __all__ = [
@@ -88,14 +88,14 @@ def slots(module: nn.Module, engine: Any) -> list[Slot]:
     for name, param in module.named_parameters():
         if not param.requires_grad:
             continue
-        if not hasattr(param, "_hp_mapping"):  # the torch optimizer steps the model's own parameter
+        linked, mapping = fp32_partition_of(param)  # DeepSpeed's link from the parameter to its fp32 partition
+        if not linked:  # the torch optimizer steps the model's own parameter
             if id(param) not in group_of:
                 raise ValueError(
                     f"{name} is trainable but in no param group of the optimizer: give it to the optimizer."
                 )
             out.append(Slot(name, param, param, group_of[id(param)], 0, 0, param.numel()))
             continue
-        mapping = param._hp_mapping  # DeepSpeed's link from the parameter to its fp32 partition
         if mapping is None:
             continue  # another data-parallel rank's partition holds all of it
         group = optimizer.param_groups[mapping.param_group_index]
@@ -215,13 +215,7 @@ def load_sharded(
 ) -> None:
     """Read a sharded checkpoint of either engine into this rank's stage and DeepSpeed's partitions (every rank
     together; a problem on any rank fails on all)."""
-    problem = None if (path / DCP_METADATA).is_file() else (
-        f"{path} is not a sharded checkpoint of this pack (no {DCP_METADATA}); pass the folder that"
-        " trainer.save_checkpoint or FaultTolerantCheckpoint wrote."
-    )  # fmt: skip
-    problem = agreed_problem(problem, device=device)
-    if problem:
-        raise FileNotFoundError(problem)
+    agreed_checkpoint_folder(path, device)
     saved = read_sharded_index(path).state_dict_metadata
     model, optim, unread = templates(module, held, optimizer, saved, "optimizer_0")
     missing = [k for k in model if f"state_dict.{k}" not in saved]

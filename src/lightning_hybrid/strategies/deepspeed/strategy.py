@@ -17,7 +17,6 @@ from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -26,6 +25,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._lightning_compat import is_mock_optimizer, process_group_backend, syncs_batchnorm
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
@@ -35,6 +35,7 @@ from lightning_hybrid.strategies.deepspeed import state as ds_state
 from lightning_hybrid.strategies.deepspeed.batch import loader_micro_batch
 from lightning_hybrid.strategies.deepspeed.build import build_pipeline, start_engine
 from lightning_hybrid.strategies.deepspeed.checks import optimizer_problem, refuse_unsupported
+from lightning_hybrid.strategies.deepspeed.compat import keep_torch_collectives
 from lightning_hybrid.strategies.deepspeed.config import (
     EngineRequest,
     check_arguments,
@@ -225,9 +226,8 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
         import deepspeed
 
         if self.root_device.type == "cpu":
-            # DeepSpeed would JIT-compile a shared-memory collective with ninja; torch's gloo is used instead
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=self._get_process_group_backend(), verbose=False)  # wraps ours
+            keep_torch_collectives()
+        deepspeed.init_distributed(dist_backend=process_group_backend(self), verbose=False)  # wraps ours
         rank_zero_info(
             f"DeepSpeedPipelineStrategy: pipeline_parallel_size={self._pp}, data_parallel_size={self._dp},"
             f" zero_stage={self._zero_stage}, num_microbatches={self._m}"
@@ -247,7 +247,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
                 " the unsplit module, or predict with HybridParallelStrategy."
             )
         # every check reads what every rank has: each fails on all ranks with the same message, none waits
-        if self._layer_sync is not None:
+        if syncs_batchnorm(self):
             raise ValueError(
                 "Trainer(sync_batchnorm=True) is not applied inside DeepSpeed's pipeline engine; remove it."
             )
@@ -322,7 +322,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
                     "DeepSpeedPipelineStrategy steps one optimizer; configure_optimizers returned several."
                 )
             optimizer = self.optimizers[0] if self.optimizers else None
-            if isinstance(optimizer, _MockOptimizer):  # configure_optimizers returned None: the config's
+            if is_mock_optimizer(optimizer):  # configure_optimizers returned None: the config's
                 optimizer = None
         precision = self.precision_plugin.precision
         problem = optimizer_problem(

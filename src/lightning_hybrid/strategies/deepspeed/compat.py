@@ -1,0 +1,35 @@
+"""The only place the pack touches DeepSpeed's private names (checked on deepspeed 0.19.8).
+
+Each is used as DeepSpeed's own code uses it; a rename in a future release breaks here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["fp32_partition_of", "keep_torch_collectives", "stage_blocks"]
+
+
+def keep_torch_collectives() -> None:
+    """On CPU, DeepSpeed would JIT-compile a shared-memory collective with ninja; torch's gloo is used instead
+    (DeepSpeed consults ``deepspeed.ops.__compatible_ops__`` before building an op)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def stage_blocks(pipe: nn.Module) -> tuple[int, int]:
+    """``[start, stop)``: the layer specs of a ``PipelineModule`` this stage builds (``_local_start`` /
+    ``_local_stop``, set by its partitioning)."""
+    return pipe._local_start, pipe._local_stop
+
+
+def fp32_partition_of(param: Tensor) -> tuple[bool, Any]:
+    """``(linked, mapping)``: whether DeepSpeed's mixed-precision or ZeRO-1 optimizer linked ``param`` to its
+    fp32 partition (``param._hp_mapping``), and the link (None where another data-parallel rank's partition
+    holds all of it). Unlinked parameters are stepped by the torch optimizer itself."""
+    if not hasattr(param, "_hp_mapping"):
+        return False, None
+    return True, param._hp_mapping
