@@ -201,7 +201,7 @@ def test_construction_refuses_what_the_engine_cannot_do():
         DeepSpeedPipelineStrategy(pipeline_parallel_size=2, zero_stage=2)
     with pytest.raises(ValueError, match="partition_method must be 'parameters', 'uniform' or 'type:REGEX'"):
         DeepSpeedPipelineStrategy(pipeline_parallel_size=2, partition_method="balanced")
-    with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_microbatches must be an integer >= 1 or None, got 0"):
         DeepSpeedPipelineStrategy(pipeline_parallel_size=2, num_microbatches=0)
 
 

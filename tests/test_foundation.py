@@ -28,7 +28,7 @@ def test_trainer_resolves_hybrid_by_name():
     trainer = L.Trainer(strategy="hybrid", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, HybridParallelStrategy)
     trainer = L.Trainer(strategy="hybrid_zero3", accelerator="cpu", devices=1, logger=False)
-    assert trainer.strategy._zero_stage == 3
+    assert trainer.strategy.layout_request.zero_stage == 3
     trainer = L.Trainer(strategy="deepspeed_pipeline", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, DeepSpeedPipelineStrategy)
 

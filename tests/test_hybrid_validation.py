@@ -10,7 +10,8 @@ from helpers import launch
 
 from lightning_hybrid.checkpoint._flat_shards import flat_boxes
 from lightning_hybrid.strategies import HybridParallelStrategy
-from lightning_hybrid.strategies._layout import PipelineSplit, partition_layers, resolve_layout
+from lightning_hybrid.strategies._layout import resolve_layout
+from lightning_hybrid.strategies.pipeline.partition import PipelineSplit, partition_layers
 
 EXPECTED = {
     "sizes": "pipeline_parallel_size (3) must divide the world size (2)",
@@ -28,7 +29,7 @@ EXPECTED = {
     "ds_accumulation_scheduler": "AccumulationScheduler cannot change DeepSpeed's accumulation",
     "ds_adaptive_loss_scaling": "AdaptiveLossScalingPrecision cannot drive DeepSpeed's engine",
     "ds_config_conflicts": (
-        "gradient_accumulation_steps: the config says 3, the strategy's num_microbatches says 4\n"
+        "gradient_accumulation_steps: the config says 3, the strategy's num_microbatches says 2\n"
         "  - gradient_clipping: the config says 1.0, Trainer(gradient_clip_val=...) says 0.5"
     ),
     "ds_batch_not_divisible": "a batch of 8 samples cannot be cut into num_microbatches=3 equal micro-batches",

@@ -11,8 +11,9 @@ from reference import reference_run
 from lightning_hybrid.checkpoint._sharded import read_sharded_index
 from lightning_hybrid.checkpoint.sources import _PackCheckpoint
 from lightning_hybrid.contract import Tie, find_ties
-from lightning_hybrid.strategies._layout import ZeroConfig, resolve_layout
+from lightning_hybrid.strategies._layout import resolve_layout
 from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, check_ties
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 
 TOTAL, FIRST = 4, 2
 GPT_TIE = ("layers.0.token.weight", "layers.3.head.weight")  # the example GPT's names of its tied embedding

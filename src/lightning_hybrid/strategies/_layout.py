@@ -1,26 +1,33 @@
-"""Pure layout arithmetic: mesh sizes, schedule table, stage split and stage placement.
+"""The one layout object of both engines: the degrees (pipeline, data, and a tensor slot that is 1 for now),
+the schedule and micro-batches, resolved by one function with one set of spellings and defaults
+(:class:`LayoutRequest` -> :class:`Layout`), the named device mesh they make, and the record checkpoints carry;
+with the schedule table and where each schedule places its stages.
 
-Nothing here touches a process group or a Trainer, so every rule is unit-tested in one process and every
-rank of a job reaches the same verdict on the same input (bad input fails everywhere, never hangs).
+Resolution touches no process group or Trainer, so every rule is unit-tested in one process and every rank of
+a job reaches the same verdict on the same input (bad input fails everywhere, never hangs).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_hybrid._validate import check_int
 
 __all__ = [
+    "DP_AXIS",
+    "PP_AXIS",
     "PRESETS",
     "SCHEDULES",
-    "check_choices",
-    "last_stage_rank",
+    "TP_AXIS",
     "Layout",
-    "PipelineSplit",
+    "LayoutRequest",
     "ScheduleName",
     "ScheduleSpec",
-    "ZeroConfig",
-    "partition_layers",
+    "check_choices",
+    "last_stage_rank",
     "resolve_layout",
     "stage_ids_on_rank",
 ]
@@ -73,93 +80,6 @@ PRESETS: list[tuple[str, str, dict[str, object]]] = [
 ]
 
 
-@dataclass(frozen=True)
-class PipelineSplit:
-    """How the blocks of ``self.layers`` are cut into pipeline stages.
-
-    By default stages are balanced by parameter count. Give at most one of ``layers_per_stage`` (how many
-    consecutive blocks each stage holds) or ``split_points`` (the block indices at which stage 1, 2, ...
-    begin). ``first_stage_extra`` / ``last_stage_extra`` add cost, in units of the mean block, to the first
-    and last stage when balancing, for work the parameter count misses (embedding lookups, the loss).
-    """
-
-    layers_per_stage: Union[list[int], None] = None
-    split_points: Union[list[int], None] = None
-    first_stage_extra: float = 0.0
-    last_stage_extra: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.layers_per_stage is not None and self.split_points is not None:
-            raise ValueError("PipelineSplit takes `layers_per_stage` or `split_points`, not both")
-        if self.first_stage_extra < 0 or self.last_stage_extra < 0:
-            raise ValueError(
-                f"first_stage_extra ({self.first_stage_extra}) and last_stage_extra ({self.last_stage_extra})"
-                " must be >= 0"
-            )
-
-
-@dataclass(frozen=True)
-class ZeroConfig:
-    """Advanced ZeRO settings of :class:`HybridParallelStrategy` (the defaults save the most memory).
-
-    Args:
-        reduce_gradients: ZeRO-2 only. ``"every_microbatch"``: each bucket of gradients is reduced to the
-            ranks that own it as soon as backward produced it and then freed, so no rank ever holds the
-            whole stage gradient (one reduction per micro-batch, DeepSpeed's choice). ``"once_per_step"``:
-            the full gradient accumulates over the accumulation window and pipeline micro-batches and is
-            reduce-scattered once per optimizer step (less communication, the full gradient in memory).
-        bucket_size_mb: the size of a gradient bucket (the ZeRO-0 all-reduce, ZeRO-2's reductions during
-            backward). A ZeRO-1/2 optimizer steps and gathers its shard in chunks of at most this size and
-            8 MiB of fp32, so an optimizer's temporaries (Adam's denominator, ...) are a chunk, not the shard.
-        reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
-            forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
-            gathered until the step ends (about one stage of full parameters more, fewer all-gathers).
-        shard_units: ZeRO-3 only. ``"submodules"``: each direct child of a block that holds parameters (a
-            transformer block's attention, MLP, norms) is its own FSDP2 unit, so FSDP2's working set (the
-            gathered unit, its unsharded gradient, the prefetched next unit) is a fraction of a block.
-            ``"blocks"``: each block is one unit (torchtitan's choice): fewer, larger all-gathers and
-            reduce-scatters, faster where collectives are latency-bound, a larger peak on shallow models.
-    """
-
-    reduce_gradients: Literal["every_microbatch", "once_per_step"] = "every_microbatch"
-    bucket_size_mb: float = 25.0
-    reshard_after_forward: bool = True
-    shard_units: Literal["blocks", "submodules"] = "submodules"
-
-    def __post_init__(self) -> None:
-        if self.reduce_gradients not in ("every_microbatch", "once_per_step"):
-            raise ValueError(
-                f"reduce_gradients must be 'every_microbatch' or 'once_per_step', got {self.reduce_gradients!r}."
-            )
-        size = self.bucket_size_mb
-        if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
-            raise ValueError(f"bucket_size_mb must be a finite number > 0, got {size!r}.")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}.")
-        if self.shard_units not in ("blocks", "submodules"):
-            raise ValueError(f"shard_units must be 'blocks' or 'submodules', got {self.shard_units!r}.")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The resolved parallel layout of one job."""
-
-    pipeline_parallel_size: int
-    data_parallel_size: int
-    zero_stage: int
-    schedule: str
-    stages_per_rank: int
-    num_microbatches: int
-
-    @property
-    def num_stages(self) -> int:
-        return self.pipeline_parallel_size * self.stages_per_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.pipeline_parallel_size * self.data_parallel_size
-
-
 def check_choices(*, schedule: object, zero_stage: object) -> None:
     """The checks that need no world size (the strategy's constructor runs them on every rank)."""
     if schedule not in SCHEDULES:
@@ -168,18 +88,136 @@ def check_choices(*, schedule: object, zero_stage: object) -> None:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}.")
 
 
+PP_AXIS, DP_AXIS, TP_AXIS = "pipeline_parallel", "data_parallel", "tensor_parallel"  # the mesh's dimension names
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """The degrees a user asks either engine for, before the world size is known: one set of spellings and
+    defaults for ``HybridParallelStrategy`` and ``DeepSpeedPipelineStrategy``.
+
+    A size is a positive integer, or ``"auto"`` (``None`` means the same): ``"auto"`` data parallelism takes
+    what the other degrees leave of the world; ``"auto"`` pipeline parallelism makes one stage per node (or,
+    with a data-parallel size given, what that leaves). ``num_microbatches`` defaults to one per stage (1
+    without a pipeline); ``stages_per_rank`` to the schedule's own. ``tensor_parallel_size`` is a slot of the
+    mesh that is 1 (no tensor parallelism yet). Checks that need no world size run here, at construction, on
+    every rank; the rest in :meth:`resolve`.
+    """
+
+    pipeline_parallel_size: Union[int, Literal["auto"], None] = 1
+    data_parallel_size: Union[int, Literal["auto"], None] = "auto"
+    zero_stage: int = 0
+    schedule: str = "1f1b"
+    num_microbatches: Union[int, None] = None
+    stages_per_rank: Union[int, None] = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        check_choices(schedule=self.schedule, zero_stage=self.zero_stage)
+        for name in ("pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, "auto")
+            elif value != "auto":
+                check_int(name, value, minimum=1, fix="or 'auto' to derive it from the world size")
+        check_int("num_microbatches", self.num_microbatches, minimum=1, optional=True)
+        check_int("stages_per_rank", self.stages_per_rank, minimum=1, optional=True)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 (tensor parallelism is not available yet), got"
+                f" {self.tensor_parallel_size!r}."
+            )
+
+    def resolve(self, *, world_size: int, num_nodes: int) -> Layout:
+        """The checked :class:`Layout` on ``world_size`` processes over ``num_nodes`` nodes; the same verdict,
+        and the same error with the values and the fix, on every rank."""
+        return resolve_layout(world_size=world_size, num_nodes=num_nodes, **self.sizes())
+
+    def sizes(self) -> dict[str, Any]:
+        return {
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "zero_stage": self.zero_stage,
+            "schedule": self.schedule,
+            "stages_per_rank": self.stages_per_rank,
+            "num_microbatches": self.num_microbatches,
+        }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved parallel layout of one job: its degrees, schedule and micro-batches, the named device mesh
+    they make, and the record checkpoints carry."""
+
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    zero_stage: int
+    schedule: str
+    stages_per_rank: int
+    num_microbatches: int
+    tensor_parallel_size: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel_size * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
+
+    def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The mesh's sizes and dimension names, row-major: data-parallel (and tensor-parallel) peers get
+        adjacent global ranks, i.e. the same node. The tensor-parallel dimension exists only when it is > 1."""
+        sizes = [self.pipeline_parallel_size, self.data_parallel_size]
+        names = [PP_AXIS, DP_AXIS]
+        if self.tensor_parallel_size > 1:
+            sizes.append(self.tensor_parallel_size)
+            names.append(TP_AXIS)
+        return tuple(sizes), tuple(names)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The job's one named device mesh (every rank calls it)."""
+        sizes, names = self.mesh_shape()
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+    def record(self, *, engine: str, tied_parameters: list[Any]) -> dict[str, Any]:
+        """What a checkpoint records of the layout that wrote it (informational: any layout and either engine
+        reads any checkpoint)."""
+        return {
+            "engine": engine,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "data_parallel_size": self.data_parallel_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "zero_stage": self.zero_stage,
+            "schedule": self.schedule,
+            "num_stages": self.num_stages,
+            "num_microbatches": self.num_microbatches,
+            "tied_parameters": tied_parameters,
+        }
+
+    def describe(self) -> str:
+        """One line for the log."""
+        text = (
+            f"pipeline_parallel_size={self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size},"
+            f" zero_stage={self.zero_stage}"
+        )
+        if self.pipeline_parallel_size > 1:
+            text += f", schedule={self.schedule}, stages={self.num_stages}, num_microbatches={self.num_microbatches}"
+        return text
+
+
 def resolve_layout(
     *,
     world_size: int,
     num_nodes: int,
-    pipeline_parallel_size: Union[int, Literal["auto"]],
-    data_parallel_size: Union[int, Literal["auto"]],
+    pipeline_parallel_size: Union[int, Literal["auto"], None],
+    data_parallel_size: Union[int, Literal["auto"], None],
     zero_stage: int,
     schedule: str,
     stages_per_rank: Union[int, None],
     num_microbatches: Union[int, None],
 ) -> Layout:
-    """Turn the user's (possibly ``"auto"``) sizes into a checked :class:`Layout`.
+    """Turn the user's (possibly ``"auto"``) sizes into a checked :class:`Layout` (:meth:`LayoutRequest.resolve`).
 
     ``"auto"`` pipeline size means one stage per node (data-parallel ranks stay inside a node); ``"auto"``
     data-parallel size takes whatever the pipeline leaves of the world.
@@ -187,7 +225,8 @@ def resolve_layout(
     check_choices(schedule=schedule, zero_stage=zero_stage)
     spec = SCHEDULES[schedule]
 
-    pp, dp = pipeline_parallel_size, data_parallel_size
+    pp = "auto" if pipeline_parallel_size is None else pipeline_parallel_size
+    dp = "auto" if data_parallel_size is None else data_parallel_size
     if pp == "auto" and dp == "auto":
         pp = num_nodes if world_size % num_nodes == 0 else 1
     if pp == "auto":
@@ -245,69 +284,9 @@ def resolve_layout(
     return Layout(pp, dp, zero_stage, schedule, stages_per_rank, num_microbatches)
 
 
-def partition_layers(costs: list[float], num_stages: int, split: Union[PipelineSplit, None] = None) -> list[range]:
-    """Cut ``len(costs)`` consecutive blocks into ``num_stages`` non-empty stages.
-
-    Returns one ``range`` of block indices per stage. Balanced splits minimise the largest stage cost
-    (exact dynamic programme; cheap for the hundreds of blocks real models have).
-    """
-    split = split or PipelineSplit()
-    n = len(costs)
-    if n < num_stages:
-        raise ValueError(
-            f"The model has {n} blocks in `self.layers` but the pipeline needs {num_stages} stages"
-            " (pipeline_parallel_size x stages_per_rank), and every stage needs at least one block. Use fewer"
-            " stages or split the model into more blocks."
-        )
-    if split.layers_per_stage is not None:
-        counts = list(split.layers_per_stage)
-        if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
-            raise ValueError(
-                f"layers_per_stage={counts} must have {num_stages} entries, each >= 1, adding up to the {n}"
-                " blocks of `self.layers`."
-            )
-        bounds = [0]
-        for c in counts:
-            bounds.append(bounds[-1] + c)
-        return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
-    if split.split_points is not None:
-        points = list(split.split_points)
-        full = [0, *points, n]
-        if len(points) != num_stages - 1 or any(b <= a for a, b in itertools.pairwise(full)):
-            raise ValueError(
-                f"split_points={points} must be {num_stages - 1} strictly increasing block indices between 1"
-                f" and {n - 1} (each stage needs at least one block)."
-            )
-        return [range(full[i], full[i + 1]) for i in range(num_stages)]
-
-    mean = sum(costs) / n if n else 1.0
-    extra_first, extra_last = split.first_stage_extra * mean, split.last_stage_extra * mean
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-
-    def stage_cost(i: int, j: int, s: int) -> float:  # blocks [i, j) as stage s
-        return prefix[j] - prefix[i] + (extra_first if s == 0 else 0.0) + (extra_last if s == num_stages - 1 else 0.0)
-
-    inf = float("inf")
-    # best[s][j]: the smallest possible largest-stage cost putting blocks [0, j) into stages 0..s
-    best = [[inf] * (n + 1) for _ in range(num_stages)]
-    cut = [[0] * (n + 1) for _ in range(num_stages)]
-    for j in range(1, n + 1):
-        best[0][j] = stage_cost(0, j, 0)
-    for s in range(1, num_stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                value = max(best[s - 1][i], stage_cost(i, j, s))
-                if value < best[s][j] - 1e-12:
-                    best[s][j], cut[s][j] = value, i
-    ranges, j = [], n
-    for s in range(num_stages - 1, 0, -1):
-        i = cut[s][j]
-        ranges.append(range(i, j))
-        j = i
-    ranges.append(range(0, j))
-    return ranges[::-1]
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
 
 
 def stage_ids_on_rank(pp_rank: int, layout: Layout) -> list[int]:
@@ -322,8 +301,3 @@ def last_stage_rank(layout: Layout) -> int:
     """The pipeline rank that runs the last stage (where the outputs and the loss exist)."""
     last = layout.num_stages - 1
     return next(r for r in range(layout.pipeline_parallel_size) if last in stage_ids_on_rank(r, layout))
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")

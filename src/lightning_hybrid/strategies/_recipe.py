@@ -21,13 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_aliased_parameters
-from lightning_hybrid.strategies._layout import SCHEDULES, Layout, PipelineSplit, ZeroConfig
+from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, SCHEDULES, Layout
 from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
+from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies.pipeline.split import split_module, stage_ranges
 from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, TiedGradients, check_ties
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (
     ShardingPlan,
     UnitGradients,
@@ -40,8 +42,6 @@ from lightning_hybrid.strategies.zero.stages import gradient_sync
 __all__ = ["Prepared", "prepare_module"]
 
 log = logging.getLogger(__name__)
-
-PP_AXIS, DP_AXIS = "pipeline_parallel", "data_parallel"
 
 
 @dataclass

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -41,25 +41,19 @@ from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
-from lightning_hybrid.strategies._layout import (
-    PRESETS,
-    Layout,
-    PipelineSplit,
-    ScheduleName,
-    ZeroConfig,
-    check_choices,
-    resolve_layout,
-)
-from lightning_hybrid.strategies._recipe import DP_AXIS, PP_AXIS, prepare_module
+from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, PRESETS, Layout, LayoutRequest, ScheduleName
+from lightning_hybrid.strategies._recipe import prepare_module
 from lightning_hybrid.strategies._state import (
     ShardedCheckpointIO,
 )
 from lightning_hybrid.strategies.hybrid_checkpoint import HybridCheckpoints
 from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
+from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
 from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
 
 __all__ = ["HybridParallelStrategy"]
@@ -123,7 +117,14 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
         # what can be checked without the world size fails here, on every rank, before any process group
-        check_choices(schedule=schedule, zero_stage=zero_stage)
+        self._request = LayoutRequest(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+        )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=1,
@@ -132,12 +133,6 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
             timeout=timeout,
         )
         prepare_elastic_restart()  # a torchrun-restarted worker needs a clean store for its process group
-        self._pipeline_parallel_size = pipeline_parallel_size
-        self._data_parallel_request = data_parallel_size
-        self._zero_stage = zero_stage
-        self._schedule_name = schedule
-        self._num_microbatches = num_microbatches
-        self._stages_per_rank = stages_per_rank
         self._split = split
         self._activation_checkpointing = activation_checkpointing
         if zero is not None and not isinstance(zero, ZeroConfig):
@@ -166,6 +161,11 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
                 strategy_registry.register(name, cls, description=description, **kwargs)
 
     # ------------------------------------------------------------------------------------------ layout
+
+    @property
+    def layout_request(self) -> LayoutRequest:
+        """The sizes asked for, before the world size is known (:attr:`layout` is what they resolved to)."""
+        return self._request
 
     @property
     def layout(self) -> Layout:
@@ -233,15 +233,7 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout can load it)."""
-        lay = self.layout
-        return {
-            "pipeline_parallel_size": lay.pipeline_parallel_size,
-            "data_parallel_size": lay.data_parallel_size,
-            "zero_stage": lay.zero_stage,
-            "schedule": lay.schedule,
-            "num_stages": lay.num_stages,
-            "tied_parameters": self._checkpoint_names.to_json(),
-        }
+        return self.layout.record(engine="torch", tied_parameters=self._checkpoint_names.to_json())
 
     @property
     def _gradient_sync(self) -> GradientSync:
@@ -256,30 +248,11 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
         init_processes(self)
         wait_for_gloo_at_exit()  # a finished job exits 0, also when gloo's workers are late (see the function)
         # same inputs on every rank -> the same verdict everywhere: bad sizes fail on all ranks, no hang
-        self._layout = lay = resolve_layout(
-            world_size=self.world_size,
-            num_nodes=self.num_nodes,
-            pipeline_parallel_size=self._pipeline_parallel_size,
-            data_parallel_size=self._data_parallel_request,
-            zero_stage=self._zero_stage,
-            schedule=self._schedule_name,
-            stages_per_rank=self._stages_per_rank,
-            num_microbatches=self._num_microbatches,
-        )
-        # row-major (pp, dp): data-parallel peers get adjacent global ranks, i.e. the same node
-        self._mesh = init_device_mesh(
-            self.root_device.type,
-            (lay.pipeline_parallel_size, lay.data_parallel_size),
-            mesh_dim_names=(PP_AXIS, DP_AXIS),
-        )
+        self._layout = lay = self._request.resolve(world_size=self.world_size, num_nodes=self.num_nodes)
+        self._mesh = lay.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self._mesh)
-        pipeline = f", schedule={lay.schedule}, stages={lay.num_stages}, num_microbatches={lay.num_microbatches}"
-        rank_zero_info(
-            f"HybridParallelStrategy: pipeline_parallel_size={lay.pipeline_parallel_size},"
-            f" data_parallel_size={lay.data_parallel_size}, zero_stage={lay.zero_stage}"
-            + (pipeline if lay.pipeline_parallel_size > 1 else "")
-        )
+        rank_zero_info(f"HybridParallelStrategy: {lay.describe()}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Union
 
 from lightning_hybrid._validate import check_int
 
-__all__ = ["EngineRequest", "check_arguments", "load_config", "merge_config", "precision_kind", "resolve_sizes"]
+__all__ = ["EngineRequest", "check_arguments", "load_config", "merge_config", "precision_kind"]
 
 # what DeepSpeed calls the Trainer's precision settings
 _PRECISIONS = {"32-true": None, "32": None, "16-mixed": "fp16", "bf16-mixed": "bf16"}
@@ -160,20 +160,8 @@ def merge_config(user: dict[str, Any], want: EngineRequest) -> dict[str, Any]:
     return config
 
 
-def check_arguments(
-    pipeline_parallel_size: Any,
-    num_microbatches: Any,
-    data_parallel_size: Any,
-    zero_stage: Any,
-    partition_method: Any,
-    activation_checkpoint_interval: Any,
-) -> None:
-    if pipeline_parallel_size != "auto":
-        check_int("pipeline_parallel_size", pipeline_parallel_size, minimum=1)
-    if num_microbatches is not None:
-        check_int("num_microbatches", num_microbatches, minimum=1)
-    if data_parallel_size is not None:
-        check_int("data_parallel_size", data_parallel_size, minimum=1)
+def check_arguments(zero_stage: Any, partition_method: Any, activation_checkpoint_interval: Any) -> None:
+    """What only this engine checks at construction (the sizes: ``LayoutRequest``)."""
     if zero_stage in (2, 3):
         raise ValueError(
             f"zero_stage={zero_stage}: DeepSpeed's pipeline engine supports ZeRO-0 and ZeRO-1 only (it asserts"
@@ -187,27 +175,3 @@ def check_arguments(
     ):
         raise ValueError(f"partition_method must be 'parameters', 'uniform' or 'type:REGEX', got {partition_method!r}.")
     check_int("activation_checkpoint_interval", activation_checkpoint_interval, minimum=0)
-
-
-def resolve_sizes(
-    *,
-    world_size: int,
-    num_nodes: int,
-    pipeline_parallel_size: Union[int, str],
-    data_parallel_size: Union[int, None],
-    num_microbatches: Union[int, None],
-) -> tuple[int, int, int]:
-    """``(pipeline, data-parallel, micro-batches)`` from the strategy's arguments and the world; the same
-    ValueError on every rank when they do not fit."""
-    pp = num_nodes if pipeline_parallel_size == "auto" else int(pipeline_parallel_size)  # "auto": a stage per node
-    problem = None
-    if world_size % pp:
-        problem = f"pipeline_parallel_size={pp} does not divide the world size {world_size}"
-    elif data_parallel_size is not None and data_parallel_size * pp != world_size:
-        problem = (
-            f"pipeline_parallel_size={pp} x data_parallel_size={data_parallel_size} != world size {world_size};"
-            " leave data_parallel_size unset to take the rest of the world"
-        )
-    if problem:
-        raise ValueError(f"DeepSpeedPipelineStrategy: {problem}.")
-    return pp, world_size // pp, num_microbatches or 2 * pp

@@ -35,7 +35,7 @@ class EngineStep:
 
     def _micro_batches(self, batch: Any, mode: str) -> list[tuple[Any, Any]]:
         assert self.lightning_module is not None
-        chunks = micro_batches(self.lightning_module, batch, self._m, self.root_device)
+        chunks = micro_batches(self.lightning_module, batch, self.layout.num_microbatches, self.root_device)
         key = (mode, shapes(chunks[0]))
         if key != self._shape_key:  # new shapes, or train <-> eval: the stages agree on new buffers
             self.engine.reset_activation_shape()
@@ -56,7 +56,9 @@ class EngineStep:
                 output.float().sum() * 0.0 if isinstance(output, Tensor) else sum(o.float().sum() * 0.0 for o in output)
             )
         share = n / max(self._batch_count, 1.0)
-        return module.pipeline_loss(output, target) * (share * self._m * self._dp)
+        return module.pipeline_loss(output, target) * (
+            share * self.layout.num_microbatches * self.layout.data_parallel_size
+        )
 
     def _watch_unused(self, module: pl.LightningModule) -> None:
         """DeepSpeed steps every element of its flat partitions (ZeRO-1) and gives every parameter a zero gradient
@@ -118,7 +120,7 @@ class EngineStep:
             return
         local = sum(self._counted.count(target) for _, target in chunks)
         (total,) = agree([local], op="sum", device=self.root_device)
-        self._batch_count = total / self._pp
+        self._batch_count = total / self.layout.pipeline_parallel_size
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

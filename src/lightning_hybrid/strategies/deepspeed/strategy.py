@@ -30,6 +30,7 @@ from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.strategies._checks import agreed_setup
+from lightning_hybrid.strategies._layout import Layout, LayoutRequest
 from lightning_hybrid.strategies._state import ShardedCheckpointIO
 from lightning_hybrid.strategies.deepspeed import state as ds_state
 from lightning_hybrid.strategies.deepspeed.batch import loader_micro_batch
@@ -40,7 +41,6 @@ from lightning_hybrid.strategies.deepspeed.config import (
     EngineRequest,
     check_arguments,
     load_config,
-    resolve_sizes,
 )
 from lightning_hybrid.strategies.deepspeed.step import EngineStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
@@ -73,9 +73,14 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
 
     Args:
         pipeline_parallel_size: pipeline stages (one per rank); ``"auto"`` puts one on each node.
-        num_microbatches: micro-batches per batch (DeepSpeed's gradient accumulation steps); default: two per
+        num_microbatches: micro-batches per batch (DeepSpeed's gradient accumulation steps); default: one per
             stage.
-        data_parallel_size: replicas of the pipeline; default: the rest of the world.
+        data_parallel_size: replicas of the pipeline; ``"auto"`` (or ``None``, the default): the rest of the
+            world.
+
+    The sizes take the same spellings and defaults as :class:`HybridParallelStrategy`'s (one
+    ``LayoutRequest``), so a LightningCLI strategy block of common arguments trains under either engine with
+    only its ``class_path`` changed.
         zero_stage: 0 or 1 (DeepSpeed refuses ZeRO-2/3 with a pipeline).
         config: a DeepSpeed config (a dict or the path of a JSON file) for everything Lightning does not own.
         partition_method: how DeepSpeed balances blocks over stages: ``"parameters"``, ``"uniform"`` or
@@ -101,9 +106,9 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     def __init__(
         self,
         *,
-        pipeline_parallel_size: Union[int, Literal["auto"]],
+        pipeline_parallel_size: Union[int, Literal["auto"]] = 1,
         num_microbatches: Union[int, None] = None,
-        data_parallel_size: Union[int, None] = None,
+        data_parallel_size: Union[int, Literal["auto"], None] = "auto",
         zero_stage: Literal[0, 1] = 0,
         config: Union[dict[str, Any], str, os.PathLike, None] = None,
         partition_method: str = "parameters",
@@ -112,20 +117,21 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
-        check_arguments(pipeline_parallel_size, num_microbatches, data_parallel_size, zero_stage,
-                         partition_method, activation_checkpoint_interval)  # fmt: skip
+        check_arguments(zero_stage, partition_method, activation_checkpoint_interval)
+        self._request = LayoutRequest(
+            pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size,
+            zero_stage=zero_stage,
+            num_microbatches=num_microbatches,
+        )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self._pipeline_request = pipeline_parallel_size
-        self._num_microbatches_request = num_microbatches
-        self._data_parallel_request = data_parallel_size
-        self._zero_stage = zero_stage
         self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
         self._partition_method = partition_method
         self._activation_checkpoint_interval = activation_checkpoint_interval
         if init_from is not None and not isinstance(init_from, PretrainedWeights):
             init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
         self._init_from: Union[PretrainedWeights, None] = init_from
-        self._pp = self._dp = self._m = 0
+        self._layout: Union[Layout, None] = None
         self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
         self._batch_count = 0.0
         self._groups_at_setup: list[int] = []
@@ -154,6 +160,18 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     # ------------------------------------------------------------------------------------------ layout
 
     @property
+    def layout_request(self) -> LayoutRequest:
+        """The sizes asked for, before the world size is known (:attr:`layout` is what they resolved to)."""
+        return self._request
+
+    @property
+    def layout(self) -> Layout:
+        """The resolved layout (known from ``setup_environment`` on)."""
+        if self._layout is None:
+            raise RuntimeError("The layout is resolved in setup_environment(), when the world size is known.")
+        return self._layout
+
+    @property
     def engine(self) -> Any:
         """DeepSpeed's ``PipelineEngine`` (after ``setup``)."""
         if self._engine is None:
@@ -162,17 +180,17 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
 
     @property
     def pipeline_rank(self) -> int:
-        return self.global_rank // self._dp  # DeepSpeed numbers ranks stage * dp + data index
+        return self.global_rank // self.layout.data_parallel_size  # DeepSpeed numbers ranks stage * dp + data index
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank % self._dp
+        return self.global_rank % self.layout.data_parallel_size
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every stage of one pipeline reads the same samples (the first stage the inputs, the last the targets)
-        return {"num_replicas": self._dp, "rank": self.data_parallel_rank}
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
 
     @property
     @override
@@ -190,15 +208,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
 
     def checkpoint_layout(self) -> dict[str, Any]:
         """The layout a checkpoint is written with (informational: any layout and either engine can load it)."""
-        return {
-            "engine": "deepspeed",
-            "pipeline_parallel_size": self._pp,
-            "data_parallel_size": self._dp,
-            "zero_stage": self._zero_stage,
-            "schedule": "1f1b",
-            "num_stages": self._pp,
-            "tied_parameters": [],
-        }
+        return self.layout.record(engine="deepspeed", tied_parameters=[])
 
     @property
     def engine_name(self) -> str:
@@ -207,7 +217,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     @property
     def engine_micro_batches(self) -> int:
         """Micro-batches DeepSpeed's engine accumulates per optimizer step (``StepsInsideTrainingStep``)."""
-        return self._m
+        return self.layout.num_microbatches
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -215,23 +225,14 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # the default process group (gloo on CPU, NCCL on GPU)
         wait_for_gloo_at_exit()  # a finished job exits 0, also when gloo's workers are late (see the function)
-        self._pp, self._dp, self._m = resolve_sizes(
-            world_size=self.world_size,
-            num_nodes=self.num_nodes,
-            pipeline_parallel_size=self._pipeline_request,
-            data_parallel_size=self._data_parallel_request,
-            num_microbatches=self._num_microbatches_request,
-        )
+        self._layout = self._request.resolve(world_size=self.world_size, num_nodes=self.num_nodes)
         os.environ.setdefault("LOCAL_RANK", str(self.local_rank))  # PipelineModule and the engine read it
         import deepspeed
 
         if self.root_device.type == "cpu":
             keep_torch_collectives()
         deepspeed.init_distributed(dist_backend=process_group_backend(self), verbose=False)  # wraps ours
-        rank_zero_info(
-            f"DeepSpeedPipelineStrategy: pipeline_parallel_size={self._pp}, data_parallel_size={self._dp},"
-            f" zero_stage={self._zero_stage}, num_microbatches={self._m}"
-        )
+        rank_zero_info(f"DeepSpeedPipelineStrategy: {self.layout.describe()}")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -293,8 +294,8 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
             module,
             plugin,
             self,
-            zero_stage=self._zero_stage,
-            num_microbatches=self._m,
+            zero_stage=self.layout.zero_stage,
+            num_microbatches=self.layout.num_microbatches,
             device=self.root_device,
         )
 
@@ -302,7 +303,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
         self._counted = counted_loss(module, self.root_device)
         pipe, self._pretrained = build_pipeline(
             module,
-            num_stages=self._pp,
+            num_stages=self.layout.pipeline_parallel_size,
             stage=self.pipeline_rank,
             partition_method=self._partition_method,
             activation_checkpoint_interval=self._activation_checkpoint_interval,
@@ -326,18 +327,18 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
                 optimizer = None
         precision = self.precision_plugin.precision
         problem = optimizer_problem(
-            optimizer, zero_stage=self._zero_stage, precision=precision, stage=self.pipeline_rank
+            optimizer, zero_stage=self.layout.zero_stage, precision=precision, stage=self.pipeline_rank
         )
         problem = agreed_problem(problem, device=self.root_device)  # a stage's own groups: every rank fails
         if problem:
             raise ValueError(problem)
         request = EngineRequest(
             micro_batch_size=loader_micro_batch(
-                trainer, self._user_config.get("train_micro_batch_size_per_gpu"), self._m
+                trainer, self._user_config.get("train_micro_batch_size_per_gpu"), self.layout.num_microbatches
             ),
-            num_microbatches=self._m,
-            data_parallel_size=self._dp,
-            zero_stage=self._zero_stage,
+            num_microbatches=self.layout.num_microbatches,
+            data_parallel_size=self.layout.data_parallel_size,
+            zero_stage=self.layout.zero_stage,
             gradient_clip_val=trainer.gradient_clip_val,
             precision=precision,
             client_optimizer=optimizer is not None or not fitting,

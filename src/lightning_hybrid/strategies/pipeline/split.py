@@ -19,13 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_hybrid._torch_compat import side_effect_free_stage
 from lightning_hybrid.contract import mark_cut, refuse_cut_module
-from lightning_hybrid.strategies._layout import (
-    SCHEDULES,
-    Layout,
-    PipelineSplit,
-    partition_layers,
-    stage_ids_on_rank,
-)
+from lightning_hybrid.strategies._layout import SCHEDULES, Layout, stage_ids_on_rank
+from lightning_hybrid.strategies.pipeline.partition import PipelineSplit, partition_layers
 
 __all__ = [
     "PipelineStageModule",

@@ -33,7 +33,8 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.contract import Tie
-from lightning_hybrid.strategies._layout import Layout, ZeroConfig, stage_ids_on_rank
+from lightning_hybrid.strategies._layout import Layout, stage_ids_on_rank
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 
 __all__ = ["CheckpointNames", "TiedGradients", "check_ties", "holder_ranks"]
 

@@ -29,8 +29,8 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agree
 from lightning_hybrid.optim._shardable import check_shardable
-from lightning_hybrid.strategies._layout import ZeroConfig
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
 

@@ -14,7 +14,7 @@ from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
-from lightning_hybrid.strategies._layout import ZeroConfig
+from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.flat_gradients import BucketQueue
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync
