@@ -195,6 +195,59 @@ def test_lightning_cli_config_trains_the_example_gpt(tmp_path):
     assert "optimizer steps   6" in out and "val_loss" in out
 
 
+_ONE_BLOCK = """
+seed_everything: 1234
+trainer:
+  accelerator: cpu
+  devices: 2
+  strategy:
+    class_path: lightning_hybrid.strategies.{engine}
+    init_args:
+      pipeline_parallel_size: 2
+      zero_stage: 1
+  max_steps: 4
+  limit_val_batches: 0
+  enable_progress_bar: false
+  enable_checkpointing: false
+  logger: false
+  default_root_dir: {root}
+model:
+  n_layer: 2
+  d_model: 32
+  n_head: 2
+data:
+  block_size: 32
+  batch_size: 8
+"""
+
+
+@pytest.mark.multiproc
+def test_the_same_yaml_with_only_class_path_changed_trains_under_either_engine(tmp_path):
+    """One strategy block, the two engines: the same spellings and defaults resolve to the same layout (the
+    unset data-parallel size and micro-batches included), and both train the example."""
+    import re
+    import subprocess
+    import sys
+
+    from helpers import child_env
+
+    layouts = {}
+    for engine in ("HybridParallelStrategy", "DeepSpeedPipelineStrategy"):
+        config = tmp_path / f"{engine}.yaml"
+        config.write_text(_ONE_BLOCK.format(engine=engine, root=tmp_path / engine))
+        cmd = [sys.executable, "examples/gpt.py", "fit", "--config", str(config)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-6000:]
+        assert "`Trainer.fit` stopped: `max_steps=4` reached" in out, out[-3000:]
+        layouts[engine] = re.search(rf"{engine}: (.*)", out).group(1)
+    assert (
+        layouts["HybridParallelStrategy"]
+        == layouts["DeepSpeedPipelineStrategy"]
+        == ("pipeline_parallel_size=2, data_parallel_size=1, zero_stage=1, schedule=1f1b, stages=2, num_microbatches=2")
+    )
+
+
 @pytest.mark.unit
 def test_construction_refuses_what_the_engine_cannot_do():
     with pytest.raises(ValueError, match=r"supports ZeRO-0 and ZeRO-1 only .* HybridParallelStrategy shards"):
