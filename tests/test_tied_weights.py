@@ -10,9 +10,10 @@ from reference import reference_run
 
 from lightning_hybrid.checkpoint._sharded import read_sharded_index
 from lightning_hybrid.checkpoint.sources import _PackCheckpoint
+from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.contract import Tie, find_ties
 from lightning_hybrid.strategies._layout import resolve_layout
-from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, check_ties
+from lightning_hybrid.strategies.pipeline.tied import check_ties
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 
 TOTAL, FIRST = 4, 2

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["agree", "agreed_problem", "all_finite", "distributed_ready"]
+__all__ = ["agree", "agreed_problem", "all_finite", "distributed_ready", "raise_agreed"]
 
 
 def distributed_ready() -> bool:
@@ -85,3 +85,13 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     accelerator = torch.accelerator.current_accelerator()
     assert accelerator is not None
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def raise_agreed(
+    problem: str | None, error: type[Exception] = ValueError, *, device: torch.device | None = None
+) -> None:
+    """Raise ``error`` with what went wrong on any rank, on every rank (:func:`agreed_problem`); nothing when
+    no rank had a problem."""
+    problem = agreed_problem(problem, device=device)
+    if problem:
+        raise error(problem)

@@ -46,6 +46,10 @@ class ShardedCheckpointing(Protocol):
 
     def checkpoint_layout(self) -> dict[str, Any]: ...
 
+    def read_sharded_checkpoint(self, path: Any, module: Any, *, fitting: bool) -> dict[str, Any]:
+        """Load a sharded folder of any layout and either engine into this rank's part; return ``meta.pt``."""
+        ...
+
 
 @runtime_checkable
 class ReportsGradientLayout(Protocol):

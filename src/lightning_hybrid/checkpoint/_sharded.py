@@ -35,6 +35,7 @@ __all__ = [
     "GROUP_INDEX",
     "LAYOUT_KEY",
     "agreed_checkpoint_folder",
+    "missing_values",
     "read_meta",
     "read_sharded",
     "read_sharded_index",
@@ -154,3 +155,8 @@ def agreed_checkpoint_folder(path: Path, device: torch.device) -> Path:
     if problem:
         raise FileNotFoundError(problem)
     return path
+
+
+def missing_values(path: Path, missing: list[str]) -> str:
+    """The refusal of a strict load (``strict_loading=True``) that finds no values for ``missing``."""
+    return f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_hybrid._agree import agreed_problem, raise_agreed
 from lightning_hybrid.checkpoint.sources import WeightsSource, open_weights
 
 __all__ = [
@@ -286,7 +287,6 @@ def agreed_plan(
 ) -> tuple[WeightsSource, WeightsPlan]:
     """Open the source and plan it against the whole ``module``, every rank together: a problem on any rank
     (a file missing on one node, a key that does not fit) raises the same ``ValueError`` on every rank."""
-    from lightning_hybrid._agree import agreed_problem
 
     problem, pretrained = None, None
     try:
@@ -310,14 +310,11 @@ def _first_on_node() -> bool:
 
 def agreed_load(module: nn.Module, source: WeightsSource, plan: WeightsPlan, device: torch.device) -> int:
     """:func:`load_pretrained` on every rank together; returns this rank's bytes read."""
-    from lightning_hybrid._agree import agreed_problem
 
     problem, read = None, 0
     try:
         read = load_pretrained(module, plan, source)
     except Exception as exc:  # e.g. a shard truncated on one node: every rank stops with the reason
         problem = f"init_from={str(plan.weights.path)!r}: reading the weights failed: {exc!r}"
-    problem = agreed_problem(problem, device=device)
-    if problem:
-        raise ValueError(problem)
+    raise_agreed(problem, ValueError, device=device)
     return read

@@ -22,6 +22,7 @@ from lightning_hybrid.checkpoint._sharded import (
     read_sharded_index,
     verified_checkpoint,
 )
+from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 
 __all__ = ["WeightsSource", "open_weights"]
 
@@ -83,8 +84,6 @@ class _PackCheckpoint:
     _PREFIX = "state_dict."
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
-        from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
-
         self._path = verified_checkpoint(path, hashes=verify)
         metadata = read_sharded_index(self._path).state_dict_metadata
         self._meta = {

@@ -165,6 +165,12 @@ class Layout:
     def world_size(self) -> int:
         return self.pipeline_parallel_size * self.data_parallel_size * self.tensor_parallel_size
 
+    def coordinates(self, global_rank: int) -> tuple[int, int, int]:
+        """``(pipeline rank, data-parallel rank, tensor-parallel rank)`` of a global rank in the row-major mesh
+        (DeepSpeed numbers its ranks the same way: stage x data-parallel size + data index)."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        return global_rank // (dp * tp), (global_rank // tp) % dp, global_rank % tp
+
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's sizes and dimension names, row-major: data-parallel (and tensor-parallel) peers get
         adjacent global ranks, i.e. the same node. The tensor-parallel dimension exists only when it is > 1."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
+from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_aliased_parameters
 from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, SCHEDULES, Layout
@@ -27,7 +28,7 @@ from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, count
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies.pipeline.split import split_module, stage_ranges
-from lightning_hybrid.strategies.pipeline.tied import CheckpointNames, TiedGradients, check_ties
+from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (

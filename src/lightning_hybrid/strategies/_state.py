@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -29,20 +30,21 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lightning_hybrid._agree import agree, agreed_problem
+from lightning_hybrid._agree import agree, raise_agreed
 from lightning_hybrid._protocols import ShardedCheckpointing
 from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import (
     GROUP_INDEX,
     LAYOUT_KEY,
     agreed_checkpoint_folder,
+    missing_values,
     read_meta,
     read_sharded,
     read_sharded_index,
     split_checkpoint,
     write_sharded,
 )
-from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
+from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync
 
@@ -156,8 +158,9 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
 
 
 class ShardedCheckpointIO:
-    """``save_checkpoint`` for a Strategy whose checkpoints are the pack's sharded folders: mixed into a
-    Strategy that implements :class:`ShardedCheckpointing` (it says its ``checkpoint_layout()``)."""
+    """``save_checkpoint`` and ``load_checkpoint`` for a Strategy whose checkpoints are the pack's sharded folders:
+    mixed into a Strategy that implements :class:`ShardedCheckpointing` (it says its ``checkpoint_layout()`` and
+    reads a folder into its own layout with ``read_sharded_checkpoint``)."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
@@ -169,6 +172,21 @@ class ShardedCheckpointIO:
                 f"{type(self).__name__} mixes in ShardedCheckpointIO but is no Strategy with checkpoint_layout()"
             )
         save_sharded_checkpoint(self, checkpoint, filepath, self.checkpoint_layout())
+
+    def load_checkpoint(self, checkpoint_path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        # payloads are read with weights_only=True whatever `weights_only` says: a checkpoint never runs code
+        if not (isinstance(self, Strategy) and isinstance(self, ShardedCheckpointing)):
+            raise TypeError(
+                f"{type(self).__name__} mixes in ShardedCheckpointIO but is no Strategy with read_sharded_checkpoint()"
+            )
+        path = checkpoint_folder(self, checkpoint_path)
+        module = self.lightning_module
+        assert module is not None
+        meta = self.read_sharded_checkpoint(path, module, fitting=module.trainer.state.fn == TrainerFn.FITTING)
+        written = meta.get(LAYOUT_KEY)
+        if written:
+            rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.checkpoint_layout()}")
+        return meta
 
 
 def checkpoint_folder(strategy: Strategy, checkpoint_path: str | os.PathLike) -> Path:
@@ -231,7 +249,7 @@ def load_sharded_checkpoint(
             " from the checkpoint with init_from= (each name then reads the stored tensor, no optimizer state)."
         )
     elif missing and strict:
-        problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+        problem = missing_values(path, missing)
     separate = [a for a in names.aliases if f"state_dict.{a}" in saved]
     if separate:  # written before the parameter was tied (or by an older version): the first name wins
         rank_zero_warn(
@@ -239,9 +257,7 @@ def load_sharded_checkpoint(
             f" names take the value stored under {names.aliases[separate[0]]}."
         )
     # each pipeline rank checks its own stages: agree, so every rank fails with the message, none waits
-    problem = agreed_problem(problem, device=device)
-    if problem:
-        raise KeyError(problem)
+    raise_agreed(problem, KeyError, device=device)
     to_load: dict[str, Any] = {"state_dict": {k: v for k, v in current.items() if k not in missing}}
     if optimizers and restore_groups:
         problem, placeholders = None, {}
@@ -249,9 +265,7 @@ def load_sharded_checkpoint(
             placeholders = restore_added_groups(path, saved, module, optimizers, names)
         except Exception as exc:  # every rank stops together, none waits in the read below
             problem = f"cannot rebuild the param groups {path} records: {type(exc).__name__}: {exc}"
-        problem = agreed_problem(problem, device=device)
-        if problem:
-            raise RuntimeError(problem)
+        raise_agreed(problem, RuntimeError, device=device)
         # before any callback hook of the resumed run changes a group by its position
         for idx, optimizer in enumerate(optimizers):
             align_added_groups(optimizer, device=device, refresh=placeholders.get(idx, ()))

@@ -39,9 +39,11 @@ from lightning_hybrid._lightning_compat import (
 )
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
 from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, PRESETS, Layout, LayoutRequest, ScheduleName
+from lightning_hybrid.strategies._parallel import ParallelLayout, known
 from lightning_hybrid.strategies._recipe import prepare_module
 from lightning_hybrid.strategies._state import (
     ShardedCheckpointIO,
@@ -51,7 +53,6 @@ from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
-from lightning_hybrid.strategies.pipeline.tied import CheckpointNames
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
@@ -61,7 +62,7 @@ __all__ = ["HybridParallelStrategy"]
 log = logging.getLogger(__name__)
 
 
-class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO, ModelParallelStrategy):
+class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, ShardedCheckpointIO, ModelParallelStrategy):
     """Pipeline parallelism across ranks x ZeRO-1/2/3 sharding inside each stage's data-parallel group.
 
     The ranks form a ``(pipeline_parallel, data_parallel)`` device mesh with data-parallel ranks adjacent,
@@ -99,6 +100,7 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
     """
 
     strategy_name = "hybrid"
+    engine_label = "torch"
 
     def __init__(
         self,
@@ -163,23 +165,10 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
     # ------------------------------------------------------------------------------------------ layout
 
     @property
-    def layout_request(self) -> LayoutRequest:
-        """The sizes asked for, before the world size is known (:attr:`layout` is what they resolved to)."""
-        return self._request
-
-    @property
-    def layout(self) -> Layout:
-        if self._layout is None:
-            raise RuntimeError("The layout is known once the processes are initialised (setup_environment).")
-        return self._layout
-
-    @property
     @override
     def device_mesh(self) -> DeviceMesh:
         """The ``(pipeline_parallel, data_parallel)`` mesh, known once the processes are initialised."""
-        if self._mesh is None:
-            raise RuntimeError("The device mesh is known once the processes are initialised (setup_environment).")
-        return self._mesh
+        return known(self._mesh, "The device mesh is known once the processes are initialised (setup_environment).")
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup:
@@ -188,14 +177,6 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
         return self.device_mesh[DP_AXIS].get_group()
-
-    @property
-    def pipeline_rank(self) -> int:
-        return self.device_mesh[PP_AXIS].get_local_rank()
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.device_mesh[DP_AXIS].get_local_rank()
 
     @property
     def is_pipelined(self) -> bool:
@@ -211,12 +192,6 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
         """Whether this rank runs the last pipeline stage (where outputs and the loss exist)."""
         return self._runner is None or self._runner.holds_last_stage
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every pipeline rank of one replica must see the same samples: split data over the dp axis only
-        return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
-
     def gradient_layout(self) -> tuple[int, bool]:
         """(ranks holding each gradient element the optimizer steps with, whether every backward already
         averaged the gradients over the replicas); see :class:`GradientSync`."""
@@ -227,19 +202,12 @@ class HybridParallelStrategy(HybridCheckpoints, HybridStep, ShardedCheckpointIO,
         """This rank's part of the gradient accumulated so far in the window (see :class:`GradientSync`)."""
         return self._gradient_sync.current_gradients(module)
 
-    def exact_window_means(self) -> bool:
-        """Whether each step is the exact mean over its window's counted elements (``pipeline_loss_count``)."""
-        return self._counted is not None
-
-    def checkpoint_layout(self) -> dict[str, Any]:
-        """The layout a checkpoint is written with (informational: any layout can load it)."""
-        return self.layout.record(engine="torch", tied_parameters=self._checkpoint_names.to_json())
+    def tied_record(self) -> list[Any]:
+        return self._checkpoint_names.to_json()
 
     @property
     def _gradient_sync(self) -> GradientSync:
-        if self._sync is None:
-            raise RuntimeError("The gradient synchronisation is chosen in setup().")
-        return self._sync
+        return known(self._sync, "The gradient synchronisation is chosen in setup().")
 
     # ------------------------------------------------------------------------------------------ set-up
 

@@ -3,17 +3,14 @@ a sharded checkpoint of any layout loaded into this one (_state)."""
 
 from __future__ import annotations
 
-import os
-from typing import Any, Union
+from pathlib import Path
+from typing import Any
 
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import lightning.pytorch as pl
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY
 from lightning_hybrid.strategies._state import (
-    checkpoint_folder,
     load_sharded_checkpoint,
     model_state,
     optimizer_state,
@@ -35,15 +32,7 @@ class HybridCheckpoints:
             self.lightning_module, self._unwrap(optimizer), self._gradient_sync, self._checkpoint_names
         )
 
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Union[str, os.PathLike], weights_only: Union[bool, None] = None
-    ) -> dict[str, Any]:
-        # payloads are read with weights_only=True whatever `weights_only` says: a checkpoint never runs code
-        path = checkpoint_folder(self, checkpoint_path)
-        module = self.lightning_module
-        assert module is not None
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
+    def read_sharded_checkpoint(self, path: Path, module: pl.LightningModule, *, fitting: bool) -> dict[str, Any]:
         optimizers = [self._unwrap(o) for o in self.optimizers] if fitting else []
         meta = load_sharded_checkpoint(
             path,
@@ -56,7 +45,4 @@ class HybridCheckpoints:
             # param groups added during the checkpoint's run come back (a resume, not a roll-back inside a run)
             restore_groups=not self._training_started,
         )
-        written = meta.get(LAYOUT_KEY)
-        if written:
-            rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.layout}")
         return meta

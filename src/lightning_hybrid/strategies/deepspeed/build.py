@@ -4,6 +4,7 @@ the engine around it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
@@ -11,13 +12,31 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._validate import check_int
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.contract import mark_cut, refuse_cut_module
 from lightning_hybrid.strategies.deepspeed.batch import unpacking
 from lightning_hybrid.strategies.deepspeed.compat import stage_blocks
 from lightning_hybrid.strategies.deepspeed.config import EngineRequest, merge_config
 
-__all__ = ["build_pipeline", "start_engine"]
+__all__ = ["PipeOptions", "build_pipeline", "start_engine"]
+
+
+@dataclass(frozen=True)
+class PipeOptions:
+    """How DeepSpeed's ``PipelineModule`` is built: how it balances blocks over stages (``"parameters"``,
+    ``"uniform"`` or ``"type:REGEX"``) and every how many blocks it recomputes activations (0: never)."""
+
+    partition_method: str = "parameters"
+    activation_checkpoint_interval: int = 0
+
+    def __post_init__(self) -> None:
+        method = self.partition_method
+        if not isinstance(method, str) or not (
+            method.lower() in ("parameters", "uniform") or method.lower().startswith("type:")
+        ):
+            raise ValueError(f"partition_method must be 'parameters', 'uniform' or 'type:REGEX', got {method!r}.")
+        check_int("activation_checkpoint_interval", self.activation_checkpoint_interval, minimum=0)
 
 
 def build_pipeline(
@@ -25,8 +44,7 @@ def build_pipeline(
     *,
     num_stages: int,
     stage: int,
-    partition_method: str,
-    activation_checkpoint_interval: int,
+    options: PipeOptions,
     init_from: Union[PretrainedWeights, None],
     device: torch.device,
     loss_fn: Union[Callable[[Any, Any], Any], None] = None,
@@ -45,8 +63,8 @@ def build_pipeline(
         layers=[unpacking(block) for _, block in items],
         num_stages=num_stages,
         loss_fn=loss_fn if loss_fn is not None else module.pipeline_loss,
-        partition_method=partition_method,
-        activation_checkpoint_interval=activation_checkpoint_interval,
+        partition_method=options.partition_method,
+        activation_checkpoint_interval=options.activation_checkpoint_interval,
     )
     start, stop = stage_blocks(pipe)  # this stage's blocks
     problem = None

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from lightning_hybrid._validate import check_int
-
-__all__ = ["EngineRequest", "check_arguments", "load_config", "merge_config", "precision_kind"]
+__all__ = ["EngineRequest", "check_zero_stage", "load_config", "merge_config", "precision_kind"]
 
 # what DeepSpeed calls the Trainer's precision settings
 _PRECISIONS = {"32-true": None, "32": None, "16-mixed": "fp16", "bf16-mixed": "bf16"}
@@ -160,8 +158,8 @@ def merge_config(user: dict[str, Any], want: EngineRequest) -> dict[str, Any]:
     return config
 
 
-def check_arguments(zero_stage: Any, partition_method: Any, activation_checkpoint_interval: Any) -> None:
-    """What only this engine checks at construction (the sizes: ``LayoutRequest``)."""
+def check_zero_stage(zero_stage: Any) -> None:
+    """DeepSpeed's pipeline engine runs ZeRO-0 and ZeRO-1 only."""
     if zero_stage in (2, 3):
         raise ValueError(
             f"zero_stage={zero_stage}: DeepSpeed's pipeline engine supports ZeRO-0 and ZeRO-1 only (it asserts"
@@ -170,8 +168,3 @@ def check_arguments(zero_stage: Any, partition_method: Any, activation_checkpoin
         )
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}.")
-    if not isinstance(partition_method, str) or not (
-        partition_method.lower() in ("parameters", "uniform") or partition_method.lower().startswith("type:")
-    ):
-        raise ValueError(f"partition_method must be 'parameters', 'uniform' or 'type:REGEX', got {partition_method!r}.")
-    check_int("activation_checkpoint_interval", activation_checkpoint_interval, minimum=0)

@@ -28,10 +28,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid._torch_compat import init_optimizer_state
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, view_boxes
-from lightning_hybrid.checkpoint._sharded import agreed_checkpoint_folder, read_sharded, read_sharded_index
+from lightning_hybrid.checkpoint._sharded import (
+    agreed_checkpoint_folder,
+    missing_values,
+    read_sharded,
+    read_sharded_index,
+)
 from lightning_hybrid.strategies.deepspeed.compat import fp32_partition_of
 from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
@@ -221,15 +226,13 @@ def load_sharded(
     missing = [k for k in model if f"state_dict.{k}" not in saved]
     problem = None
     if missing and strict:
-        problem = f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+        problem = missing_values(path, missing)
     elif unread:
         problem = (
             f"The checkpoint at {path} holds optimizer state for {unread[:3]} that this optimizer"
             f" ({type(optimizer).__name__}) has no place for; resume with the optimizer that wrote it"
         )
-    problem = agreed_problem(problem, device=device)
-    if problem:
-        raise KeyError(problem)
+    raise_agreed(problem, KeyError, device=device)
     to_load: dict[str, Any] = {"state_dict": {k: v for k, v in model.items() if k not in missing}}
     if optim:
         to_load["optimizer_0"] = optim

@@ -8,24 +8,20 @@ Checkpoints: the engine's parameters and optimizer state in the pack's layout-fr
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Union
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_hybrid._agree import agree, agreed_problem
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, read_meta
+from lightning_hybrid.checkpoint._sharded import read_meta
 from lightning_hybrid.contract import micro_batches
-from lightning_hybrid.strategies._state import checkpoint_folder
 from lightning_hybrid.strategies.deepspeed import state as ds_state
 from lightning_hybrid.strategies.deepspeed.batch import shapes
 
@@ -141,13 +137,7 @@ class EngineStep:
         return closure_loss  # train_batch ran backward
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Union[Optimizer, LightningOptimizer],
-        closure: Callable[[], Any],
-        model: Union[pl.LightningModule, nn.Module, None] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         return closure()  # training_step's train_batch reduced, clipped and stepped
 
     def _eval(self, metric: str, batch: Any) -> Tensor:
@@ -179,15 +169,7 @@ class EngineStep:
             return {}
         return ds_state.optimizer_state(ds_state.client_optimizer(self.engine), self._slots)
 
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: Union[str, os.PathLike], weights_only: Union[bool, None] = None
-    ) -> dict[str, Any]:
-        # read with the pack's safe reader whatever `weights_only` says: a checkpoint never runs code
-        path = checkpoint_folder(self, checkpoint_path)
-        module = self.lightning_module
-        assert module is not None
-        fitting = module.trainer.state.fn == TrainerFn.FITTING
+    def read_sharded_checkpoint(self, path: Path, module: pl.LightningModule, *, fitting: bool) -> dict[str, Any]:
         optimizer = ds_state.client_optimizer(self.engine) if fitting else None
         self._loading = True  # loading creates the optimizer state by a zero-gradient step: no training step
         try:
@@ -196,11 +178,7 @@ class EngineStep:
             )
         finally:
             self._loading = False
-        meta = read_meta(path)
-        written = meta.get(LAYOUT_KEY)
-        if written:
-            rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.checkpoint_layout()}")
-        return meta
+        return read_meta(path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

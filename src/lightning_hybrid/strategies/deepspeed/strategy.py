@@ -24,22 +24,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._agree import agreed_problem, raise_agreed
 from lightning_hybrid._lightning_compat import is_mock_optimizer, process_group_backend, syncs_batchnorm
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.strategies._checks import agreed_setup
 from lightning_hybrid.strategies._layout import Layout, LayoutRequest
+from lightning_hybrid.strategies._parallel import ParallelLayout, known
 from lightning_hybrid.strategies._state import ShardedCheckpointIO
 from lightning_hybrid.strategies.deepspeed import state as ds_state
 from lightning_hybrid.strategies.deepspeed.batch import loader_micro_batch
-from lightning_hybrid.strategies.deepspeed.build import build_pipeline, start_engine
+from lightning_hybrid.strategies.deepspeed.build import PipeOptions, build_pipeline, start_engine
 from lightning_hybrid.strategies.deepspeed.checks import optimizer_problem, refuse_unsupported
 from lightning_hybrid.strategies.deepspeed.compat import keep_torch_collectives
 from lightning_hybrid.strategies.deepspeed.config import (
     EngineRequest,
-    check_arguments,
+    check_zero_stage,
     load_config,
 )
 from lightning_hybrid.strategies.deepspeed.step import EngineStep
@@ -49,7 +50,7 @@ from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 __all__ = ["DeepSpeedPipelineStrategy"]
 
 
-class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
+class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO, DDPStrategy):
     """DeepSpeed's ``PipelineEngine`` (1F1B pipeline x data parallel, ZeRO-0/1) driven from Lightning's loop.
 
     Takes the same LightningModule as :class:`HybridParallelStrategy`: its blocks, in order, in
@@ -102,6 +103,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     """
 
     strategy_name = "deepspeed_pipeline"
+    engine_label = "deepspeed"
 
     def __init__(
         self,
@@ -117,7 +119,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
-        check_arguments(zero_stage, partition_method, activation_checkpoint_interval)
+        check_zero_stage(zero_stage)
         self._request = LayoutRequest(
             pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size,
@@ -126,8 +128,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
         )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
-        self._partition_method = partition_method
-        self._activation_checkpoint_interval = activation_checkpoint_interval
+        self._pipe = PipeOptions(partition_method, activation_checkpoint_interval)
         if init_from is not None and not isinstance(init_from, PretrainedWeights):
             init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
         self._init_from: Union[PretrainedWeights, None] = init_from
@@ -160,37 +161,9 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     # ------------------------------------------------------------------------------------------ layout
 
     @property
-    def layout_request(self) -> LayoutRequest:
-        """The sizes asked for, before the world size is known (:attr:`layout` is what they resolved to)."""
-        return self._request
-
-    @property
-    def layout(self) -> Layout:
-        """The resolved layout (known from ``setup_environment`` on)."""
-        if self._layout is None:
-            raise RuntimeError("The layout is resolved in setup_environment(), when the world size is known.")
-        return self._layout
-
-    @property
     def engine(self) -> Any:
         """DeepSpeed's ``PipelineEngine`` (after ``setup``)."""
-        if self._engine is None:
-            raise RuntimeError("The DeepSpeed engine is built in setup().")
-        return self._engine
-
-    @property
-    def pipeline_rank(self) -> int:
-        return self.global_rank // self.layout.data_parallel_size  # DeepSpeed numbers ranks stage * dp + data index
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.global_rank % self.layout.data_parallel_size
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of one pipeline reads the same samples (the first stage the inputs, the last the targets)
-        return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
+        return known(self._engine, "The DeepSpeed engine is built in setup().")
 
     @property
     @override
@@ -201,14 +174,6 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer state into DeepSpeed's partitions itself
-
-    def exact_window_means(self) -> bool:
-        """Whether each step is the exact mean over its window's counted elements (``pipeline_loss_count``)."""
-        return self._counted is not None
-
-    def checkpoint_layout(self) -> dict[str, Any]:
-        """The layout a checkpoint is written with (informational: any layout and either engine can load it)."""
-        return self.layout.record(engine="deepspeed", tied_parameters=[])
 
     @property
     def engine_name(self) -> str:
@@ -273,9 +238,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
                 self._pretrained = None
             except ValueError as exc:
                 problem = str(exc)
-            problem = agreed_problem(problem, device=self.root_device)
-            if problem:
-                raise ValueError(problem)
+            raise_agreed(problem, ValueError, device=self.root_device)
             self._groups_at_setup = [len(o.param_groups) for o in self.optimizers] if fitting else []
             if fitting:
                 self._watch_unused(module)
@@ -305,8 +268,7 @@ class DeepSpeedPipelineStrategy(EngineStep, ShardedCheckpointIO, DDPStrategy):
             module,
             num_stages=self.layout.pipeline_parallel_size,
             stage=self.pipeline_rank,
-            partition_method=self._partition_method,
-            activation_checkpoint_interval=self._activation_checkpoint_interval,
+            options=self._pipe,
             init_from=self._init_from,
             loss_fn=self._loss,
             device=self.root_device,

@@ -20,7 +20,6 @@ units of one rank (each unit would shard its own copy and untie it).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +35,7 @@ from lightning_hybrid.contract import Tie
 from lightning_hybrid.strategies._layout import Layout, stage_ids_on_rank
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 
-__all__ = ["CheckpointNames", "TiedGradients", "check_ties", "holder_ranks"]
-
-_SECTIONS = ("state.", "param_groups.")  # the flat optimizer state's keys: <section><name>.<key>
+__all__ = ["TiedGradients", "check_ties", "holder_ranks"]
 
 
 def _rank_of_block(block: int | None, ranges: list[range] | None, layout: Layout) -> int:
@@ -96,51 +93,6 @@ def check_ties(ties: list[Tie], ranges: list[range] | None, layout: Layout, zero
                 " it. Put the tied modules in one block (with ZeroConfig(shard_units='blocks') if they are two"
                 " children of a block), place the blocks on different pipeline ranks, or use zero_stage 0-2."
             )
-
-
-class CheckpointNames:
-    """Where a checkpoint stores each tied parameter: under its first name only.
-
-    Keys are a model state's names (``layers.5.head.weight``) or the flat optimizer state's
-    (``state.<name>.<key>``, ``param_groups.<name>.<key>``)."""
-
-    def __init__(self, ties: Iterable[Tie] = ()) -> None:
-        self.aliases = {name: tie.names[0] for tie in ties for name in tie.names[1:]}
-
-    def stored_key(self, key: str) -> str:
-        """The key the checkpoint holds ``key``'s value under."""
-        for alias, first in self.aliases.items():
-            if key == alias:
-                return first
-            for section in _SECTIONS:
-                if key.startswith(section + alias + "."):
-                    return section + first + key[len(section + alias) :]
-        return key
-
-    def to_store(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` without the values of tied parameters under names other than their first."""
-        return {k: v for k, v in state.items() if self.stored_key(k) == k}
-
-    def to_read(self, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-        """``state`` keyed by where the checkpoint stores each value (a value whose stored key this rank also
-        holds is left out: it is the same tensor), and the way back: stored key -> local key."""
-        out, back = {}, {}
-        for key, value in state.items():
-            stored = self.stored_key(key)
-            if stored != key and stored in state:
-                continue
-            out[stored], back[stored] = value, key
-        return out, back
-
-    def to_json(self) -> list[list[str]]:
-        groups: dict[str, list[str]] = {}
-        for alias, first in self.aliases.items():
-            groups.setdefault(first, [first]).append(alias)
-        return list(groups.values())
-
-    @classmethod
-    def from_json(cls, groups: Iterable[Iterable[str]]) -> CheckpointNames:
-        return cls(Tie(tuple(names), ()) for names in groups)
 
 
 @dataclass

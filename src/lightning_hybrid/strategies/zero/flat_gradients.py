@@ -72,8 +72,21 @@ class GroupGradients(ABC):
                 self._hook(i, p)
                 self.hooked.add(i)
 
-    @abstractmethod
-    def _hook(self, index: int, param: nn.Parameter) -> None: ...
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_hook(functools.partial(self._arriving, index))
+
+    def _arriving(self, index: int, grad: Tensor) -> Tensor:
+        # before backward accumulates: point .grad at the flat buffer, so it accumulates there in place
+        flat = self._buffer()
+        p = self.params[index]
+        if p.grad is None:
+            p.grad = self.segment(flat, index).view_as(p)
+        self.used[index] = True
+        return grad
+
+    def _buffer(self) -> Tensor:
+        """The flat buffer gradients accumulate in (kinds that hook differently need none)."""
+        raise NotImplementedError(f"{type(self).__name__} accumulates into no flat buffer")
 
     def segment(self, flat: Tensor, index: int) -> Tensor:
         off, p = self.offsets[index], self.params[index]
@@ -143,16 +156,8 @@ class FlatGradients(GroupGradients):
         self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
         super().__init__(*args, **kwargs)
 
-    def _hook(self, index: int, param: nn.Parameter) -> None:
-        param.register_hook(functools.partial(self._arriving, index))
-
-    def _arriving(self, index: int, grad: Tensor) -> Tensor:
-        # before backward accumulates: point .grad at the buffer, so it accumulates there in place
-        p = self.params[index]
-        if p.grad is None:
-            p.grad = self.segment(self.flat, index).view_as(p)
-        self.used[index] = True
-        return grad
+    def _buffer(self) -> Tensor:
+        return self.flat
 
     def after_backward(self) -> None:
         super().after_backward()
@@ -186,18 +191,10 @@ class WindowGradients(GroupGradients):
         self.flat: Tensor | None = None
         super().__init__(*args, **kwargs)
 
-    def _hook(self, index: int, param: nn.Parameter) -> None:
-        param.register_hook(functools.partial(self._arriving, index))
-
-    def _arriving(self, index: int, grad: Tensor) -> Tensor:
-        # the window's first gradient allocates the buffer; each gradient accumulates in place there
-        if self.flat is None:
+    def _buffer(self) -> Tensor:
+        if self.flat is None:  # the window's first gradient allocates the buffer
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        p = self.params[index]
-        if p.grad is None:
-            p.grad = self.segment(self.flat, index).view_as(p)
-        self.used[index] = True
-        return grad
+        return self.flat
 
     def after_backward(self) -> None:
         super().after_backward()

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
@@ -80,9 +80,7 @@ class ShardedOptimizerGradients(GradientSync):
                 self._set_partition(optimizer)
         except Exception as exc:  # whatever it is, every rank stops with it
             problem = f"{type(exc).__name__}: {exc}"
-        problem = agreed_problem(problem, device=self.device)
-        if problem:
-            raise RuntimeError(problem)
+        raise_agreed(problem, RuntimeError, device=self.device)
 
     def begin_step(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].swap_in()
