@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint, ResumableSampler
-from lightning_hybrid.callbacks._resume import capture_rng, restore_rng
+from lightning_hybrid.callbacks._resume import capture_rng, cuda_state_for, restore_rng
 from lightning_hybrid.callbacks._watchdog import Watchdog
 
 pytestmark = pytest.mark.unit
@@ -83,6 +83,19 @@ def test_rng_capture_restores_every_stream():
     buf.seek(0)
     restore_rng(torch.load(buf, weights_only=True))
     assert torch.equal(torch.rand(3), first[0])
+
+
+def test_the_cuda_stream_is_restored_by_the_device_a_process_runs_on_never_by_count():
+    """A process restores the generator of its own device: from a checkpoint of this version, the one state it
+    saved; from an older one (one state per GPU the saving process saw), the entry of its device if there is
+    one. A restart that sees fewer GPUs than the saving process (another node, CUDA_VISIBLE_DEVICES) never
+    fails (it raised IndexError on every restart before)."""
+    own = torch.arange(4, dtype=torch.uint8)
+    assert cuda_state_for(own, 3) is own  # whatever the device index: it is this process's own stream
+    per_gpu = [torch.full((4,), i, dtype=torch.uint8) for i in range(8)]
+    assert torch.equal(cuda_state_for(per_gpu, 5), per_gpu[5])
+    assert cuda_state_for(per_gpu[:1], 5) is None  # saved seeing one GPU, restored on device 5 of 8
+    assert cuda_state_for(None, 0) is None
 
 
 def test_watchdog_fires_on_a_stalled_step_but_not_while_paused():

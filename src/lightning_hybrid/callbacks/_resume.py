@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableSampler", "capture_rng", "restore_rng"]
+__all__ = ["ResumableSampler", "capture_rng", "cuda_state_for", "restore_rng"]
 
 
 class ResumableSampler(Sampler[int]):
@@ -107,7 +107,9 @@ def capture_rng() -> dict[str, Any]:
         "python": _to_lists(random.getstate()),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this process's own device only: a restart may see fewer or more GPUs (another node, another
+        # CUDA_VISIBLE_DEVICES), and each process restores the stream of the device it runs on
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -126,7 +128,22 @@ def restore_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        device = torch.cuda.current_device()
+        cuda = cuda_state_for(state["cuda"], device)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+def cuda_state_for(saved: Any, device: int) -> torch.Tensor | None:
+    """The saved CUDA generator state this process restores on its device ``device``: the saved process's own
+    device's state (a tensor). Checkpoints of earlier versions hold one state per GPU the saving process saw,
+    by index: the entry of ``device`` when it exists, else None (the stream starts from the seed; a process
+    that sees fewer GPUs than the one that saved never fails on it)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    if isinstance(saved, (list, tuple)) and 0 <= device < len(saved):
+        return saved[device]
+    return None
 
 
 def _to_lists(value: Any) -> Any:
