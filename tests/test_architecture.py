@@ -90,15 +90,18 @@ def test_no_module_over_400_lines_and_each_opens_with_what_it_owns():
 
 
 def _own_names(modules: dict[str, ast.Module]) -> set[str]:
-    """Every name the pack itself defines (functions, classes, attributes, variables, arguments, and keys of
-    an instance's ``__dict__`` set by hand)."""
+    """Every name the pack itself defines (functions, classes, attributes it sets on its own objects, variables,
+    arguments, and keys of an instance's ``__dict__`` set by hand)."""
     own: set[str] = set()
     for tree in modules.values():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 own.add(node.name)
             elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                own.add(node.attr)
+                # set on the pack's own objects; a private attribute set on another library's object is still
+                # that library's name (``pipe._layer_specs = ...``)
+                if getattr(node.value, "id", None) in ("self", "cls") or not _private(node.attr):
+                    own.add(node.attr)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 own.add(node.id)
             elif isinstance(node, ast.arg):

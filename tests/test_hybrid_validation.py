@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from helpers import launch
 
 from lightning_hybrid.checkpoint._flat_shards import flat_boxes
-from lightning_hybrid.strategies import HybridParallelStrategy
-from lightning_hybrid.strategies._layout import resolve_layout
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy
+from lightning_hybrid.strategies._layout import LayoutRequest, resolve_layout
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit, partition_layers
 
 EXPECTED = {
@@ -72,6 +73,42 @@ def test_layout_rules():
         )  # fmt: skip
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         HybridParallelStrategy(zero_stage=4)
+
+
+@pytest.mark.unit
+def test_one_layout_request_for_both_engines():
+    """One set of spellings and defaults; the rules that differ by engine are named by the request."""
+    assert HybridParallelStrategy(data_parallel_size=None).layout_request == LayoutRequest()  # None means "auto"
+    assert DeepSpeedPipelineStrategy().layout_request == LayoutRequest(engine="deepspeed")
+    for bad, message in [
+        ({"pipeline_parallel_size": None}, "pipeline_parallel_size must be an integer >= 1, got None; pass 'auto'"),
+        ({"data_parallel_size": True}, "data_parallel_size must be an integer >= 1, got True"),
+        ({"num_microbatches": 0}, "num_microbatches must be an integer >= 1 or None, got 0"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1 (tensor parallelism is not available yet)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LayoutRequest(**bad)
+    # torch's schedules need a micro-batch per pipeline rank; DeepSpeed's 1F1B runs fewer
+    with pytest.raises(ValueError, match="needs at least 2 micro-batches"):
+        LayoutRequest(pipeline_parallel_size=2, num_microbatches=1).resolve(world_size=4, num_nodes=1)
+    lay = LayoutRequest(pipeline_parallel_size=2, num_microbatches=1, engine="deepspeed").resolve(
+        world_size=4, num_nodes=1
+    )
+    assert (lay.data_parallel_size, lay.num_microbatches) == (2, 1)
+    # the tensor-parallel slot: innermost in the mesh, TP peers adjacent; pp x dp share what it leaves
+    lay = resolve_layout(
+        world_size=8, num_nodes=1, pipeline_parallel_size=2, data_parallel_size="auto", zero_stage=0,
+        schedule="1f1b", stages_per_rank=None, num_microbatches=None, tensor_parallel_size=2,
+    )  # fmt: skip
+    assert lay.data_parallel_size == 2 and lay.world_size == 8
+    assert [lay.coordinates(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert lay.mesh_shape() == ((2, 2, 2), ("pipeline_parallel", "data_parallel", "tensor_parallel"))
+    assert LayoutRequest(pipeline_parallel_size=2).resolve(world_size=4, num_nodes=1).mesh_shape()[1] == (
+        "pipeline_parallel",
+        "data_parallel",
+    )
+    record = lay.record(engine="torch", tied_parameters=[])
+    assert record["tensor_parallel_size"] == 2 and record["engine"] == "torch"
 
 
 @pytest.mark.unit

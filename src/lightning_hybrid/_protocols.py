@@ -87,14 +87,12 @@ class StepsInsideTrainingStep(Protocol):
     batch inside ``training_step`` (DeepSpeed's pipeline engine), its accumulation fixed when the engine is built.
     A callback or plugin that must act between those steps refuses itself against this, at set-up."""
 
-    @property
     def engine_name(self) -> str:
         """Whose engine it is, for messages ("DeepSpeed")."""
         ...
 
-    @property
     def engine_micro_batches(self) -> int:
-        """Micro-batches the engine accumulates per optimizer step."""
+        """Micro-batches the engine accumulates per optimizer step (known from ``setup_environment`` on)."""
         ...
 
 

@@ -138,16 +138,12 @@ class AccumulationScheduler(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        if stage == "fit" and isinstance(strategy, StepsInsideTrainingStep):
-            raise ValueError(
-                f"AccumulationScheduler cannot change {strategy.engine_name}'s accumulation, which is fixed at engine"
-                f" set-up ({strategy.engine_micro_batches} micro-batches per step); raise num_microbatches or the"
-                " batch size, or use HybridParallelStrategy for accumulation schedules."
-            )
+        if stage == "fit":
+            _refuse_engine_accumulation(trainer.strategy)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _refuse_engine_accumulation(trainer.strategy)  # also when added after set-up (configure_model)
         trainer.accumulate_grad_batches = self.k
         strategy = trainer.strategy
         self._exact_windows = isinstance(strategy, ExactWindowMeans) and strategy.exact_window_means()
@@ -311,3 +307,13 @@ def _current_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> list[
     if isinstance(strategy, ReportsGradientLayout):
         return strategy.current_gradients(module)  # e.g. ZeRO-2 has handed the model's gradients off already
     return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _refuse_engine_accumulation(strategy: Any) -> None:
+    """An engine that accumulates inside ``training_step`` fixes its accumulation when it is built."""
+    if isinstance(strategy, StepsInsideTrainingStep):
+        raise ValueError(
+            f"AccumulationScheduler cannot change {strategy.engine_name()}'s accumulation, which is fixed at engine"
+            f" set-up ({strategy.engine_micro_batches()} micro-batches per step); raise num_microbatches or the"
+            " batch size, or use HybridParallelStrategy for accumulation schedules."
+        )

@@ -100,7 +100,7 @@ class AdaptiveLossScalingPrecision(MeshAwareClippingMixin, Precision):
         """Refuse an engine that scales the loss itself (``ChecksItsStrategy``)."""
         if isinstance(strategy, StepsInsideTrainingStep):
             raise ValueError(
-                f"AdaptiveLossScalingPrecision cannot drive {strategy.engine_name}'s engine, which scales the loss"
+                f"AdaptiveLossScalingPrecision cannot drive {strategy.engine_name()}'s engine, which scales the loss"
                 " itself: pass precision='16-mixed' (the engine's loss scaler, tuned under `fp16` in its config) or"
                 " use HybridParallelStrategy for the adaptive, rank-agreed scaler."
             )

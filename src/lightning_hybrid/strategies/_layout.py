@@ -96,30 +96,32 @@ class LayoutRequest:
     """The degrees a user asks either engine for, before the world size is known: one set of spellings and
     defaults for ``HybridParallelStrategy`` and ``DeepSpeedPipelineStrategy``.
 
-    A size is a positive integer, or ``"auto"`` (``None`` means the same): ``"auto"`` data parallelism takes
+    A size is a positive integer or ``"auto"``: ``"auto"`` data parallelism (``None`` means the same) takes
     what the other degrees leave of the world; ``"auto"`` pipeline parallelism makes one stage per node (or,
     with a data-parallel size given, what that leaves). ``num_microbatches`` defaults to one per stage (1
     without a pipeline); ``stages_per_rank`` to the schedule's own. ``tensor_parallel_size`` is a slot of the
-    mesh that is 1 (no tensor parallelism yet). Checks that need no world size run here, at construction, on
-    every rank; the rest in :meth:`resolve`.
+    mesh that is 1 (no tensor parallelism yet). ``engine`` says who runs the schedule: torch's schedules need
+    at least one micro-batch per pipeline rank, DeepSpeed's 1F1B does not. Checks that need no world size
+    run here, at construction, on every rank; the rest in :meth:`resolve`.
     """
 
-    pipeline_parallel_size: Union[int, Literal["auto"], None] = 1
+    pipeline_parallel_size: Union[int, Literal["auto"]] = 1
     data_parallel_size: Union[int, Literal["auto"], None] = "auto"
     zero_stage: int = 0
     schedule: str = "1f1b"
     num_microbatches: Union[int, None] = None
     stages_per_rank: Union[int, None] = None
     tensor_parallel_size: int = 1
+    engine: Literal["torch", "deepspeed"] = "torch"
 
     def __post_init__(self) -> None:
         check_choices(schedule=self.schedule, zero_stage=self.zero_stage)
+        if self.data_parallel_size is None:
+            object.__setattr__(self, "data_parallel_size", "auto")
         for name in ("pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if value is None:
-                object.__setattr__(self, name, "auto")
-            elif value != "auto":
-                check_int(name, value, minimum=1, fix="or 'auto' to derive it from the world size")
+            if value != "auto":
+                check_int(name, value, minimum=1, fix="pass 'auto' to derive it from the world size")
         check_int("num_microbatches", self.num_microbatches, minimum=1, optional=True)
         check_int("stages_per_rank", self.stages_per_rank, minimum=1, optional=True)
         if self.tensor_parallel_size != 1:
@@ -131,17 +133,18 @@ class LayoutRequest:
     def resolve(self, *, world_size: int, num_nodes: int) -> Layout:
         """The checked :class:`Layout` on ``world_size`` processes over ``num_nodes`` nodes; the same verdict,
         and the same error with the values and the fix, on every rank."""
-        return resolve_layout(world_size=world_size, num_nodes=num_nodes, **self.sizes())
-
-    def sizes(self) -> dict[str, Any]:
-        return {
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "data_parallel_size": self.data_parallel_size,
-            "zero_stage": self.zero_stage,
-            "schedule": self.schedule,
-            "stages_per_rank": self.stages_per_rank,
-            "num_microbatches": self.num_microbatches,
-        }
+        return resolve_layout(
+            world_size=world_size,
+            num_nodes=num_nodes,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            zero_stage=self.zero_stage,
+            schedule=self.schedule,
+            stages_per_rank=self.stages_per_rank,
+            num_microbatches=self.num_microbatches,
+            tensor_parallel_size=self.tensor_parallel_size,
+            torch_schedule=self.engine == "torch",
+        )
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,8 @@ def resolve_layout(
     schedule: str,
     stages_per_rank: Union[int, None],
     num_microbatches: Union[int, None],
+    tensor_parallel_size: int = 1,
+    torch_schedule: bool = True,
 ) -> Layout:
     """Turn the user's (possibly ``"auto"``) sizes into a checked :class:`Layout` (:meth:`LayoutRequest.resolve`).
 
@@ -231,8 +236,12 @@ def resolve_layout(
     check_choices(schedule=schedule, zero_stage=zero_stage)
     spec = SCHEDULES[schedule]
 
-    pp = "auto" if pipeline_parallel_size is None else pipeline_parallel_size
+    pp, tp = pipeline_parallel_size, tensor_parallel_size
     dp = "auto" if data_parallel_size is None else data_parallel_size
+    _check_positive("tensor_parallel_size", tp)
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide the world size ({world_size}).")
+    world_size //= tp  # pipeline x data parallelism share what tensor parallelism leaves
     if pp == "auto" and dp == "auto":
         pp = num_nodes if world_size % num_nodes == 0 else 1
     if pp == "auto":
@@ -252,7 +261,7 @@ def resolve_layout(
     if pp * dp != world_size:
         raise ValueError(
             f"pipeline_parallel_size ({pp}) x data_parallel_size ({dp}) = {pp * dp} must equal the world size"
-            f" ({world_size}); set one of them to 'auto'."
+            f" ({world_size * tp}{f' / tensor_parallel_size {tp}' if tp > 1 else ''}); set one of them to 'auto'."
         )
 
     if stages_per_rank is None:
@@ -275,7 +284,7 @@ def resolve_layout(
     if num_microbatches is None:
         num_microbatches = num_stages if pp > 1 else 1
     _check_positive("num_microbatches", num_microbatches)
-    if pp > 1:
+    if pp > 1 and torch_schedule:
         minimum = num_stages if spec.style == "v" else pp
         if num_microbatches < minimum:
             raise ValueError(
@@ -287,7 +296,7 @@ def resolve_layout(
                 f"schedule={schedule!r} needs num_microbatches ({num_microbatches}) to be a multiple of"
                 f" pipeline_parallel_size ({pp})."
             )
-    return Layout(pp, dp, zero_stage, schedule, stages_per_rank, num_microbatches)
+    return Layout(pp, dp, zero_stage, schedule, stages_per_rank, num_microbatches, tp)
 
 
 def _check_positive(name: str, value: object) -> None:

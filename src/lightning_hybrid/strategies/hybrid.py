@@ -1,12 +1,13 @@
 """HybridParallelStrategy: pipeline parallelism x ZeRO-1/2/3 inside each stage, as a Lightning Strategy.
 
 The strategy only connects Lightning's hooks to the techniques, each in its own module. ``setup_environment``
-builds the (pipeline, data) mesh; ``setup`` hands the module to ``_recipe.prepare_module``, which applies
-the techniques once, in order: find tied parameters (``_tied``), cut this rank's pipeline stages
-(``_pipeline``), read pretrained weights by slice (``_init_from``), shard for ZeRO-3 (``_fsdp``), build the
-schedule and its runner (``_pipeline_runner``) and the gradient synchronisation of the ZeRO stage
-(``_grad_sync``). Checkpoints are sharded folders any layout reads (``_state`` and
-``lightning_hybrid.checkpoint``)."""
+resolves the layout and builds its mesh (``_layout``); ``setup`` hands the module to
+``_recipe.prepare_module``, which applies the techniques once, in order: find tied parameters
+(``contract``, ``pipeline/tied``), cut this rank's pipeline stages (``pipeline/split``), read pretrained
+weights by slice (``checkpoint/pretrained``), shard for ZeRO-3 (``zero/fully_sharded``), build the schedule
+and its runner (``pipeline/runner``) and the gradient synchronisation of the ZeRO stage (``zero/stages``).
+The step hooks are in ``hybrid_step``, the checkpoint hooks in ``hybrid_checkpoint``; checkpoints are
+sharded folders any layout reads (``_state`` and ``lightning_hybrid.checkpoint``)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
 
     Args:
         pipeline_parallel_size: number of pipeline ranks; ``"auto"`` puts one pipeline rank on each node.
-        data_parallel_size: ranks that replicate (or shard) each stage; ``"auto"`` takes the rest of the world.
+        data_parallel_size: ranks that replicate (or shard) each stage; ``"auto"`` (or ``None``) takes the rest
+            of the world.
         zero_stage: sharding inside each data-parallel group: 0 replicates, 1 shards optimizer state, 2 also
             gradients, 3 also parameters (FSDP2).
         schedule: the torch pipeline schedule.
@@ -106,7 +108,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self,
         *,
         pipeline_parallel_size: Union[int, Literal["auto"]] = 1,
-        data_parallel_size: Union[int, Literal["auto"]] = "auto",
+        data_parallel_size: Union[int, Literal["auto"], None] = "auto",
         zero_stage: Literal[0, 1, 2, 3] = 0,
         schedule: ScheduleName = "1f1b",
         num_microbatches: Union[int, None] = None,
@@ -128,7 +130,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
             stages_per_rank=stages_per_rank,
         )
         super().__init__(
-            data_parallel_size=data_parallel_size,
+            data_parallel_size=self._request.data_parallel_size,
             tensor_parallel_size=1,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,

@@ -16,7 +16,7 @@ from lightning_hybrid._validate import check_int
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_load, agreed_plan
 from lightning_hybrid.contract import mark_cut, refuse_cut_module
 from lightning_hybrid.strategies.deepspeed.batch import unpacking
-from lightning_hybrid.strategies.deepspeed.compat import stage_blocks
+from lightning_hybrid.strategies.deepspeed.compat import keep_only_stage_blocks, stage_blocks
 from lightning_hybrid.strategies.deepspeed.config import EngineRequest, merge_config
 
 __all__ = ["PipeOptions", "build_pipeline", "start_engine"]
@@ -79,7 +79,7 @@ def build_pipeline(
     # the other stages' blocks go; names stay `layers.<original name>.*`, as in the unsplit module
     module.layers = nn.ModuleDict(items[start:stop])
     mark_cut(module)
-    pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
+    keep_only_stage_blocks(pipe, start, stop)
     for p in pipe.parameters():
         # DeepSpeed's fp32 ZeRO-0 clipping counts only the first stage's gradients unless parameters say they
         # are split across its "model parallel" (here: pipeline) group; then the norm is global

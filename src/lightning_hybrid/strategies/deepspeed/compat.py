@@ -9,7 +9,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["fp32_partition_of", "keep_torch_collectives", "stage_blocks"]
+__all__ = [
+    "fp32_partition_of",
+    "inner_optimizer",
+    "keep_only_stage_blocks",
+    "keep_torch_collectives",
+    "loss_scaler",
+    "stage_blocks",
+]
 
 
 def keep_torch_collectives() -> None:
@@ -33,3 +40,20 @@ def fp32_partition_of(param: Tensor) -> tuple[bool, Any]:
     if not hasattr(param, "_hp_mapping"):
         return False, None
     return True, param._hp_mapping
+
+
+def keep_only_stage_blocks(pipe: nn.Module, start: int, stop: int) -> None:
+    """Drop the other stages' layer specs from a ``PipelineModule`` (``_layer_specs``), so they and the
+    modules they hold are not kept alive on this rank."""
+    pipe._layer_specs = [spec if start <= i < stop else None for i, spec in enumerate(pipe._layer_specs)]
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a DeepSpeed optimizer wrapper (ZeRO-1, bf16, fp16) keeps in ``.optimizer``, or None
+    for a torch optimizer the engine steps itself."""
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else None
+
+
+def loss_scaler(optimizer: Any) -> Any:
+    """The dynamic loss scaler of DeepSpeed's fp16 optimizer wrapper (``.loss_scaler``), or None."""
+    return optimizer.loss_scaler if hasattr(optimizer, "loss_scaler") else None

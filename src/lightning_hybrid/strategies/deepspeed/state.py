@@ -37,7 +37,7 @@ from lightning_hybrid.checkpoint._sharded import (
     read_sharded,
     read_sharded_index,
 )
-from lightning_hybrid.strategies.deepspeed.compat import fp32_partition_of
+from lightning_hybrid.strategies.deepspeed.compat import fp32_partition_of, inner_optimizer, loss_scaler
 from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 __all__ = [
@@ -81,7 +81,7 @@ class Slot:
 def client_optimizer(engine: Any) -> Optimizer:
     """The torch optimizer inside DeepSpeed's wrappers (ZeRO-1, bf16, fp16), or the engine's own one."""
     optimizer = engine.optimizer
-    inner = getattr(optimizer, "optimizer", None)  # DeepSpeed's wrappers keep the torch optimizer here
+    inner = inner_optimizer(optimizer)  # DeepSpeed's wrappers keep the torch optimizer inside
     return inner if isinstance(inner, Optimizer) else optimizer
 
 
@@ -298,7 +298,7 @@ class EnginePrecision(Precision):
         engine = self._engine()
         if engine is None or precision_kind(self.precision) != "fp16":
             return None
-        return getattr(engine.optimizer, "loss_scaler", None)
+        return loss_scaler(engine.optimizer)
 
     @override
     def state_dict(self) -> dict[str, Any]:

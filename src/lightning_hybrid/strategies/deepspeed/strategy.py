@@ -3,10 +3,10 @@
 The LightningModule is the one HybridParallelStrategy takes (blocks in ``self.layers``, ``pipeline_loss``,
 optional ``pipeline_batch``); switching engines is switching the strategy block of the YAML. ``setup`` builds a
 ``deepspeed.pipe.PipelineModule`` from this rank's blocks, merges the DeepSpeed config with what Lightning
-owns (``_deepspeed_config``) and initialises the ``PipelineEngine``; each training batch is one
+owns (``deepspeed/config.py``) and initialises the ``PipelineEngine``; each training batch is one
 ``train_batch`` (forward, backward, gradient reduction, clipping and the optimizer step of DeepSpeed's
 1F1B schedule), each validation batch one ``eval_batch``. Checkpoints are the pack's sharded folders
-(``_deepspeed_state``), never DeepSpeed's own files.
+(``deepspeed/state.py``), never DeepSpeed's own files.
 """
 
 from __future__ import annotations
@@ -76,12 +76,8 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
         pipeline_parallel_size: pipeline stages (one per rank); ``"auto"`` puts one on each node.
         num_microbatches: micro-batches per batch (DeepSpeed's gradient accumulation steps); default: one per
             stage.
-        data_parallel_size: replicas of the pipeline; ``"auto"`` (or ``None``, the default): the rest of the
+        data_parallel_size: replicas of the pipeline; ``"auto"`` (the default) or ``None``: the rest of the
             world.
-
-    The sizes take the same spellings and defaults as :class:`HybridParallelStrategy`'s (one
-    ``LayoutRequest``), so a LightningCLI strategy block of common arguments trains under either engine with
-    only its ``class_path`` changed.
         zero_stage: 0 or 1 (DeepSpeed refuses ZeRO-2/3 with a pipeline).
         config: a DeepSpeed config (a dict or the path of a JSON file) for everything Lightning does not own.
         partition_method: how DeepSpeed balances blocks over stages: ``"parameters"``, ``"uniform"`` or
@@ -93,6 +89,10 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             overrides them.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device by default.
         timeout: collective timeout.
+
+    The sizes take the same spellings and defaults as :class:`HybridParallelStrategy`'s (one
+    ``LayoutRequest``), so a LightningCLI strategy block of common arguments trains under either engine with
+    only its ``class_path`` changed.
 
     Example::
 
@@ -125,6 +125,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             data_parallel_size=data_parallel_size,
             zero_stage=zero_stage,
             num_microbatches=num_microbatches,
+            engine="deepspeed",
         )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
@@ -175,11 +176,9 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizer state into DeepSpeed's partitions itself
 
-    @property
     def engine_name(self) -> str:
         return "DeepSpeed"
 
-    @property
     def engine_micro_batches(self) -> int:
         """Micro-batches DeepSpeed's engine accumulates per optimizer step (``StepsInsideTrainingStep``)."""
         return self.layout.num_microbatches

@@ -42,7 +42,7 @@ class PipelineRunner:
         device, group: where the stages run and the pipeline's process group.
         loss_scaling: the precision plugin's per-micro-batch loss scaling (fp16), or ``None``.
         counted: the module's loss is a mean over ``pipeline_loss_count(target)`` elements: micro-batches are
-            weighted by their count (see ``_counted_loss``), or ``None`` (plain means, equal weights).
+            weighted by their count (see ``counted_loss``), or ``None`` (plain means, equal weights).
     """
 
     def __init__(

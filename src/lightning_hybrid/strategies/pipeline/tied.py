@@ -52,7 +52,7 @@ def holder_ranks(tie: Tie, ranges: list[range] | None, layout: Layout) -> list[i
 
 
 def _zero3_unit(name: str, units: str) -> str:
-    """The FSDP2 unit that shards parameter ``name`` (see ``_fsdp.shard_fully``)."""
+    """The FSDP2 unit that shards parameter ``name`` (see ``zero/fully_sharded.shard_fully``)."""
     parts = name.split(".")
     if parts[0] == "layers" and len(parts) > 2:
         return ".".join(parts[:3] if units == "submodules" and len(parts) > 3 else parts[:2])

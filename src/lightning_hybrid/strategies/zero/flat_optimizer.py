@@ -328,7 +328,7 @@ class FlatShardedOptimizer(FlatStateDict):
     def scale_gradients(self, scale: float) -> None:
         """Multiply the reduced gradients by ``scale`` (ZeRO-1: the whole flat gradient, which param.grad shows)."""
         for g in self.groups:
-            flat = getattr(g.grads, "flat", None) if isinstance(g.grads, FlatGradients) else None
+            flat = g.grads.flat if isinstance(g.grads, FlatGradients) else None
             if flat is not None:
                 flat.mul_(scale)
             elif g.shard.grad is not None:
