@@ -228,6 +228,22 @@ def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_l
         assert report["resumed_from"].endswith("step-000000008")
         assert report["steps"]["8"]["digest"] == pytest.approx(digest, rel=1e-12)  # the pp2 x dp2 weights
         assert report["global_step"] == 10
+    assert "FaultTolerantCheckpoint: resumed on" not in moved.output  # dp 2 -> 2: the same samples per step
+
+
+def test_a_resume_on_fewer_replicas_says_how_the_samples_per_step_changed(tmp_path):
+    """2 ranks checkpoint, 1 rank resumes: the global batch halves unless the user keeps it, and the job says so
+    in one line, with the two ways to keep it (nothing changes silently)."""
+    cfg = _job(tmp_path, "shrink", steps=4)
+    launch("fault_tolerant.py", cfg, nproc=2)
+    resumed = launch("fault_tolerant.py", {**cfg, "steps": 6, "out": str(tmp_path / "shrink" / "one")}, nproc=1)
+    assert resumed.rank(0)["resumed_from"].endswith("step-000000004/checkpoint.pt")
+    assert resumed.rank(0)["global_step"] == 6
+    assert (
+        "FaultTolerantCheckpoint: resumed on 1 data-parallel replica(s) where the checkpoint was written on 2: an"
+        " optimizer step now takes 4 samples (1 x batch 4 x accumulation 1) instead of 8"
+    ) in resumed.output
+    assert "To keep 8 samples per step use accumulate_grad_batches=2 or a per-rank batch size of 8" in resumed.output
 
 
 # ------------------------------------------------------------------------------ signals and failures

@@ -72,7 +72,35 @@ class SamplerOwner:
         self.position = {
             "epoch": trainer.current_epoch,
             "consumed": (batch_idx + 1) * batch_size * sampler.num_replicas,
+            # what made the global batch, so a resume on another world can say what changed
+            "replicas": sampler.num_replicas,
+            "batch_size": batch_size,
+            "accumulation": int(trainer.accumulate_grad_batches),
         }
+
+    def world_change(self, trainer: pl.Trainer, saved: dict[str, int] | None) -> str | None:
+        """What changed in the samples per optimizer step since ``saved`` (a checkpoint's data position), as
+        one line with how to keep them, or None when nothing did (or the checkpoint does not say)."""
+        if not self.samplers or not saved or "replicas" not in saved:
+            return None
+        sampler, batch_size = self.samplers[0]
+        k = int(trainer.accumulate_grad_batches)
+        old_dp, old_batch, old_k = int(saved["replicas"]), int(saved["batch_size"]), int(saved["accumulation"])
+        before, now = old_dp * old_batch * old_k, sampler.num_replicas * batch_size * k
+        if before == now:
+            return None
+        keep = []
+        if (before % (sampler.num_replicas * batch_size)) == 0:
+            keep.append(f"accumulate_grad_batches={before // (sampler.num_replicas * batch_size)}")
+        if (before % (sampler.num_replicas * k)) == 0:
+            keep.append(f"a per-rank batch size of {before // (sampler.num_replicas * k)}")
+        how = " or ".join(keep) if keep else "a per-rank batch size and accumulation whose product with the replicas"
+        return (
+            f"resumed on {sampler.num_replicas} data-parallel replica(s) where the checkpoint was written on {old_dp}:"
+            f" an optimizer step now takes {now} samples ({sampler.num_replicas} x batch {batch_size} x"
+            f" accumulation {k}) instead of {before}, so the loss curve departs from the uninterrupted run's. To keep"
+            f" {before} samples per step use {how}; the data order continues at the checkpoint's global sample."
+        )
 
 
 def _resumable(source: Any, seed: int) -> ResumableSampler | None:

@@ -159,6 +159,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self._seen_step = -1
         self._preempting = False
         self._resume_rng: dict[str, Any] | None = None
+        self._resumed_position: dict[str, int] | None = None  # the data position of the checkpoint resumed
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -193,6 +194,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         if self._samplers.resume_at is None and isinstance(state_dict.get("data_position"), dict):
             # rank 0's position: the global data position is the same on every rank
             self._samplers.resume_at = {k: int(v) for k, v in state_dict["data_position"].items()}
+            self._resumed_position = dict(self._samplers.resume_at)
 
     # ------------------------------------------------------------------------------------ set-up/resume
 
@@ -248,6 +250,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
             self.resumed_from = self._resume.resumed_from
         if state is not None:
             self._resume_rng, self._samplers.resume_at = state["rng"], state["data"]
+            self._resumed_position = dict(state["data"]) if isinstance(state["data"], dict) else None
 
     # ---------------------------------------------------------------------------------- training start
 
@@ -285,6 +288,11 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
             # restored here, not at load time: nothing between the save and this batch may draw from it
             restore_rng(self._resume_rng)
             self._resume_rng = None
+        if self._resumed_position is not None:  # the first batch after a resume: every on_train_start ran
+            change = self._samplers.world_change(trainer, self._resumed_position)
+            self._resumed_position = None
+            if change:
+                event(f"FaultTolerantCheckpoint: {change}")
 
     @override
     def on_before_optimizer_step(
