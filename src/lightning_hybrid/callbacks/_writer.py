@@ -27,7 +27,7 @@ from lightning_hybrid._lightning_compat import dump_checkpoint
 from lightning_hybrid.checkpoint._files import FileEntry, atomic_write
 from lightning_hybrid.checkpoint._format import CHECKPOINT_FILE, MANIFEST, Kind, manifest_payload, rank_file
 from lightning_hybrid.checkpoint._safe_load import unsafe_payload
-from lightning_hybrid.checkpoint._sharded import LAYOUT_KEY, split_checkpoint, write_sharded
+from lightning_hybrid.checkpoint._sharded import split_checkpoint, write_sharded
 from lightning_hybrid.checkpoint._store import StepFolder, new_step_folder, remove_step_folder
 
 __all__ = ["CheckpointWriter", "load_target", "snapshot"]
@@ -115,9 +115,7 @@ class CheckpointWriter:
             try:
                 checkpoint = dump_checkpoint(trainer)
                 if self.sharded:
-                    tensors, checkpoint = split_checkpoint(checkpoint)
-                    if self.layout is not None:
-                        checkpoint[LAYOUT_KEY] = dict(self.layout())
+                    tensors, checkpoint = split_checkpoint(checkpoint, self.layout() if self.layout is not None else None)
                 unsafe = unsafe_payload(checkpoint) if trainer.is_global_zero else None
                 if unsafe:
                     write.fatal = True

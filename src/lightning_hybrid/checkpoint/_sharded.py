@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.strategies import Strategy
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -35,10 +36,12 @@ __all__ = [
     "GROUP_INDEX",
     "LAYOUT_KEY",
     "agreed_checkpoint_folder",
+    "checkpoint_folder",
     "missing_values",
     "read_meta",
     "read_sharded",
     "read_sharded_index",
+    "save_sharded_checkpoint",
     "split_checkpoint",
     "verified_checkpoint",
     "write_sharded",
@@ -51,11 +54,16 @@ LAYOUT_KEY = "hybrid_layout"  # meta.pt: the layout a sharded checkpoint was wri
 GROUP_INDEX = "__group__"
 
 
-def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors for DCP, the rest for meta.pt)`` of a Lightning checkpoint dict (the dict is consumed)."""
+def split_checkpoint(
+    checkpoint: dict[str, Any], layout: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensors for DCP, the rest for meta.pt)`` of a Lightning checkpoint dict (the dict is consumed); the
+    layout record of the writing strategy, when given, goes into meta.pt."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for idx, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{idx}"] = optimizer_state
+    if layout is not None:
+        checkpoint[LAYOUT_KEY] = dict(layout)
     return tensors, checkpoint
 
 
@@ -160,3 +168,29 @@ def agreed_checkpoint_folder(path: Path, device: torch.device) -> Path:
 def missing_values(path: Path, missing: list[str]) -> str:
     """The refusal of a strict load (``strict_loading=True``) that finds no values for ``missing``."""
     return f"The checkpoint at {path} has no values for {missing[:5]} (strict_loading=True)"
+
+
+def checkpoint_folder(strategy: Strategy, checkpoint_path: str | os.PathLike) -> Path:
+    """The folder every rank reads: rank 0 resolves links (``last.ckpt``), whatever each node caches."""
+    return Path(strategy.broadcast(str(Path(checkpoint_path).resolve())))
+
+
+def save_sharded_checkpoint(
+    strategy: Strategy, checkpoint: dict[str, Any], filepath: str | os.PathLike, layout: dict[str, Any]
+) -> None:
+    """Write Lightning's ``checkpoint`` dict as a sharded folder at ``filepath`` (every rank calls it)."""
+    path = Path(strategy.broadcast(str(filepath)))  # one folder for every rank
+    problem = None
+    if strategy.is_global_zero:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            # rewriting a folder: without the old index it never looks whole while the new one is written
+            (path / DCP_METADATA).unlink(missing_ok=True)
+        except OSError as exc:  # a file there, no permission: every rank fails the same way
+            problem = f"cannot write a sharded checkpoint (a folder) at {path}: {exc}"
+    problem = strategy.broadcast(problem)
+    if problem:
+        raise OSError(problem)
+    tensors, meta = split_checkpoint(checkpoint, layout)
+    write_sharded(path, tensors, meta if strategy.is_global_zero else None)
+    strategy.barrier(f"{type(strategy).__name__}.save_checkpoint.done")

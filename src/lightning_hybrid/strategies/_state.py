@@ -32,17 +32,16 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agree, raise_agreed
 from lightning_hybrid._protocols import ShardedCheckpointing
-from lightning_hybrid.checkpoint._safe_load import DCP_METADATA
 from lightning_hybrid.checkpoint._sharded import (
     GROUP_INDEX,
     LAYOUT_KEY,
     agreed_checkpoint_folder,
+    checkpoint_folder,
     missing_values,
     read_meta,
     read_sharded,
     read_sharded_index,
-    split_checkpoint,
-    write_sharded,
+    save_sharded_checkpoint,
 )
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
@@ -50,11 +49,9 @@ from lightning_hybrid.strategies.zero.grad_sync import GradientSync
 
 __all__ = [
     "ShardedCheckpointIO",
-    "checkpoint_folder",
     "load_sharded_checkpoint",
     "model_state",
     "optimizer_state",
-    "save_sharded_checkpoint",
 ]
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -187,33 +184,6 @@ class ShardedCheckpointIO:
         if written:
             rank_zero_info(f"Resumed from {path} (written with {written}) onto {self.checkpoint_layout()}")
         return meta
-
-
-def checkpoint_folder(strategy: Strategy, checkpoint_path: str | os.PathLike) -> Path:
-    """The folder every rank reads: rank 0 resolves links (``last.ckpt``), whatever each node caches."""
-    return Path(strategy.broadcast(str(Path(checkpoint_path).resolve())))
-
-
-def save_sharded_checkpoint(
-    strategy: Strategy, checkpoint: dict[str, Any], filepath: str | os.PathLike, layout: dict[str, Any]
-) -> None:
-    """Write Lightning's ``checkpoint`` dict as a sharded folder at ``filepath`` (every rank calls it)."""
-    path = Path(strategy.broadcast(str(filepath)))  # one folder for every rank
-    problem = None
-    if strategy.is_global_zero:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            # rewriting a folder: without the old index it never looks whole while the new one is written
-            (path / DCP_METADATA).unlink(missing_ok=True)
-        except OSError as exc:  # a file there, no permission: every rank fails the same way
-            problem = f"cannot write a sharded checkpoint (a folder) at {path}: {exc}"
-    problem = strategy.broadcast(problem)
-    if problem:
-        raise OSError(problem)
-    tensors, meta = split_checkpoint(checkpoint)
-    meta[LAYOUT_KEY] = layout
-    write_sharded(path, tensors, meta if strategy.is_global_zero else None)
-    strategy.barrier(f"{type(strategy).__name__}.save_checkpoint.done")
 
 
 def load_sharded_checkpoint(
