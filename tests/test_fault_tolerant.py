@@ -240,10 +240,24 @@ def test_a_resume_on_fewer_replicas_says_how_the_samples_per_step_changed(tmp_pa
     assert resumed.rank(0)["resumed_from"].endswith("step-000000004/checkpoint.pt")
     assert resumed.rank(0)["global_step"] == 6
     assert (
-        "FaultTolerantCheckpoint: resumed on 1 data-parallel replica(s) where the checkpoint was written on 2: an"
-        " optimizer step now takes 4 samples (1 x batch 4 x accumulation 1) instead of 8"
+        "FaultTolerantCheckpoint: resumed on 1 data-parallel replica(s) x batch 4 = 4 samples per batch of the"
+        " accumulation window, where the checkpoint was written with 2 x 4 = 8: every optimizer step now takes 4/8"
+        " of the uninterrupted run's samples"
     ) in resumed.output
-    assert "To keep 8 samples per step use accumulate_grad_batches=2 or a per-rank batch size of 8" in resumed.output
+    assert (
+        "To keep them, accumulate 2x as many batches per step (accumulate_grad_batches or the schedule) or use a"
+        " per-rank batch size of 8"
+    ) in resumed.output
+
+    # the positions it records are global samples of this world's batches (Lightning's restored batch counter
+    # is in the 2-rank world's batches): step 6 is 2 one-rank batches of 4 after step 4, in the same epoch
+    def position(step: int) -> dict[str, int]:
+        payload = torch.load(Path(cfg["ft"]["dirpath"]) / f"step-{step:09d}" / "checkpoint.pt", weights_only=True)
+        return next(v for k, v in payload["callbacks"].items() if "FaultTolerantCheckpoint" in k)["data_position"]
+
+    before, after = position(4), position(6)
+    assert before["epoch"] == after["epoch"] and (before["replicas"], after["replicas"]) == (2, 1)
+    assert after["consumed"] == before["consumed"] + 2 * 4
 
 
 # ------------------------------------------------------------------------------ signals and failures

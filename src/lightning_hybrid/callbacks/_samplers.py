@@ -30,6 +30,11 @@ class SamplerOwner:
         self.samplers: list[tuple[ResumableSampler, int]] = []
         self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
         self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
+        # (epoch, global position) the resumed epoch continued at, and Lightning's batch index of its first
+        # batch: positions are counted from there, in this world's batches (the restored batch counter is in
+        # the batches of the world that wrote the checkpoint)
+        self._anchor: tuple[int, int] | None = None
+        self._anchor_batch: int | None = None
 
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
@@ -56,6 +61,7 @@ class SamplerOwner:
             sampler.set_epoch(trainer.current_epoch)
             if self.resume_at is not None:
                 sampler.resume_at(self.resume_at["epoch"], self.resume_at["consumed"])
+                self._anchor, self._anchor_batch = (self.resume_at["epoch"], self.resume_at["consumed"]), None
             self.samplers.append((sampler, batch_sampler.batch_size))
         self.resume_at = None
         if self.samplers and len(self.samplers) == len(loaders):
@@ -69,9 +75,14 @@ class SamplerOwner:
         if not self.samplers:
             return
         sampler, batch_size = self.samplers[0]
+        consumed = (batch_idx + 1) * batch_size * sampler.num_replicas
+        if self._anchor is not None and self._anchor[0] == trainer.current_epoch:
+            if self._anchor_batch is None:
+                self._anchor_batch = batch_idx  # the resumed epoch's first batch in this run
+            consumed = self._anchor[1] + (batch_idx - self._anchor_batch + 1) * batch_size * sampler.num_replicas
         self.position = {
             "epoch": trainer.current_epoch,
-            "consumed": (batch_idx + 1) * batch_size * sampler.num_replicas,
+            "consumed": consumed,
             # what made the global batch, so a resume on another world can say what changed
             "replicas": sampler.num_replicas,
             "batch_size": batch_size,
@@ -79,27 +90,34 @@ class SamplerOwner:
         }
 
     def world_change(self, trainer: pl.Trainer, saved: dict[str, int] | None) -> str | None:
-        """What changed in the samples per optimizer step since ``saved`` (a checkpoint's data position), as
-        one line with how to keep them, or None when nothing did (or the checkpoint does not say)."""
-        if not self.samplers or not saved or "replicas" not in saved:
+        """What changed in the samples each batch of the accumulation window brings in (replicas x per-rank batch)
+        since ``saved``, a checkpoint's data position, as one line with how to keep them; None when nothing
+        did or the checkpoint does not say. The accumulation itself is the user's or the schedule's (an
+        ``AccumulationScheduler`` may change it on the very batch a run resumes at, as the uninterrupted run
+        does): a change of the world multiplies every step's samples by the same ratio, whatever the window."""
+        if not self.samplers or not saved:
             return None
-        sampler, batch_size = self.samplers[0]
-        k = int(trainer.accumulate_grad_batches)
-        old_dp, old_batch, old_k = int(saved["replicas"]), int(saved["batch_size"]), int(saved["accumulation"])
-        before, now = old_dp * old_batch * old_k, sampler.num_replicas * batch_size * k
-        if before == now:
+        old_dp, old_batch = saved.get("replicas"), saved.get("batch_size")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (old_dp, old_batch)):
+            return None  # written by an earlier version, or not ours to interpret
+        sampler, batch = self.samplers[0]
+        dp, k = sampler.num_replicas, int(trainer.accumulate_grad_batches)
+        old, new = old_dp * old_batch, dp * batch
+        if old == new:
             return None
-        keep = []
-        if (before % (sampler.num_replicas * batch_size)) == 0:
-            keep.append(f"accumulate_grad_batches={before // (sampler.num_replicas * batch_size)}")
-        if (before % (sampler.num_replicas * k)) == 0:
-            keep.append(f"a per-rank batch size of {before // (sampler.num_replicas * k)}")
-        how = " or ".join(keep) if keep else "a per-rank batch size and accumulation whose product with the replicas"
+        ways = []
+        if old % new == 0:
+            ways.append(f"accumulate {old // new}x as many batches per step (accumulate_grad_batches or the schedule)")
+        elif new % old == 0 and k % (new // old) == 0:
+            ways.append(f"accumulate {new // old}x fewer batches per step (accumulate_grad_batches or the schedule)")
+        if old % dp == 0:
+            ways.append(f"use a per-rank batch size of {old // dp} (a multiple of num_microbatches with a pipeline)")
+        how = " or ".join(ways) if ways else f"no whole per-rank batch size or accumulation keeps them on {dp} replicas"
         return (
-            f"resumed on {sampler.num_replicas} data-parallel replica(s) where the checkpoint was written on {old_dp}:"
-            f" an optimizer step now takes {now} samples ({sampler.num_replicas} x batch {batch_size} x"
-            f" accumulation {k}) instead of {before}, so the loss curve departs from the uninterrupted run's. To keep"
-            f" {before} samples per step use {how}; the data order continues at the checkpoint's global sample."
+            f"resumed on {dp} data-parallel replica(s) x batch {batch} = {new} samples per batch of the accumulation"
+            f" window, where the checkpoint was written with {old_dp} x {old_batch} = {old}: every optimizer step now"
+            f" takes {new}/{old} of the uninterrupted run's samples, so the loss curve departs from it. To keep"
+            f" them, {how}; the data order continues at the checkpoint's global sample."
         )
 
 

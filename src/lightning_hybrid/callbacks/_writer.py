@@ -115,7 +115,9 @@ class CheckpointWriter:
             try:
                 checkpoint = dump_checkpoint(trainer)
                 if self.sharded:
-                    tensors, checkpoint = split_checkpoint(checkpoint, self.layout() if self.layout is not None else None)
+                    tensors, checkpoint = split_checkpoint(
+                        checkpoint, self.layout() if self.layout is not None else None
+                    )
                 unsafe = unsafe_payload(checkpoint) if trainer.is_global_zero else None
                 if unsafe:
                     write.fatal = True

@@ -211,6 +211,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self.dirpath = str(root)
         if stage != "fit":
             return
+        self._resumed_position = None  # set again below if this fit resumes (on_load_checkpoint)
         if self.nan_policy == "skip" and isinstance(trainer.strategy, StepsInsideTrainingStep):
             raise ValueError(
                 f"FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under"

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_hybrid._validate import check_int
+from lightning_hybrid._validate import check_choice, check_int
 
 __all__ = [
     "DP_AXIS",
@@ -116,6 +116,7 @@ class LayoutRequest:
 
     def __post_init__(self) -> None:
         check_choices(schedule=self.schedule, zero_stage=self.zero_stage)
+        check_choice("engine", self.engine, ("torch", "deepspeed"))
         if self.data_parallel_size is None:
             object.__setattr__(self, "data_parallel_size", "auto")
         for name in ("pipeline_parallel_size", "data_parallel_size"):
@@ -238,7 +239,8 @@ def resolve_layout(
 
     pp, tp = pipeline_parallel_size, tensor_parallel_size
     dp = "auto" if data_parallel_size is None else data_parallel_size
-    _check_positive("tensor_parallel_size", tp)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
     if world_size % tp:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide the world size ({world_size}).")
     world_size //= tp  # pipeline x data parallelism share what tensor parallelism leaves
