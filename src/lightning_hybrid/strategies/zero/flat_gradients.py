@@ -72,21 +72,8 @@ class GroupGradients(ABC):
                 self._hook(i, p)
                 self.hooked.add(i)
 
-    def _hook(self, index: int, param: nn.Parameter) -> None:
-        param.register_hook(functools.partial(self._arriving, index))
-
-    def _arriving(self, index: int, grad: Tensor) -> Tensor:
-        # before backward accumulates: point .grad at the flat buffer, so it accumulates there in place
-        flat = self._buffer()
-        p = self.params[index]
-        if p.grad is None:
-            p.grad = self.segment(flat, index).view_as(p)
-        self.used[index] = True
-        return grad
-
-    def _buffer(self) -> Tensor:
-        """The flat buffer gradients accumulate in (kinds that hook differently need none)."""
-        raise NotImplementedError(f"{type(self).__name__} accumulates into no flat buffer")
+    @abstractmethod
+    def _hook(self, index: int, param: nn.Parameter) -> None: ...
 
     def segment(self, flat: Tensor, index: int) -> Tensor:
         off, p = self.offsets[index], self.params[index]
@@ -149,7 +136,27 @@ class GroupGradients(ABC):
         return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
 
 
-class FlatGradients(GroupGradients):
+class _AccumulatingGradients(GroupGradients):
+    """Gradients that accumulate in place in one flat buffer of the group (ZeRO-1, ZeRO-2 once per step)."""
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_hook(functools.partial(self._arriving, index))
+
+    def _arriving(self, index: int, grad: Tensor) -> Tensor:
+        # before backward accumulates: point .grad at the flat buffer, so it accumulates there in place
+        flat = self._buffer()
+        p = self.params[index]
+        if p.grad is None:
+            p.grad = self.segment(flat, index).view_as(p)
+        self.used[index] = True
+        return grad
+
+    @abstractmethod
+    def _buffer(self) -> Tensor:
+        """The flat buffer gradients accumulate in."""
+
+
+class FlatGradients(_AccumulatingGradients):
     """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views; one in-place all-reduce."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -184,7 +191,7 @@ class FlatGradients(GroupGradients):
         super().clear()
 
 
-class WindowGradients(GroupGradients):
+class WindowGradients(_AccumulatingGradients):
     """ZeRO-2, once per step: a flat buffer from the window's first gradient, reduce-scattered, freed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
