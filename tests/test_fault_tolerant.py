@@ -231,22 +231,21 @@ def test_all_together_pp2_dp2_killed_mid_window_resumes_exactly_and_on_another_l
     assert "FaultTolerantCheckpoint: resumed on" not in moved.output  # dp 2 -> 2: the same samples per step
 
 
-def test_a_resume_on_fewer_replicas_says_how_the_samples_per_step_changed(tmp_path):
-    """2 ranks checkpoint, 1 rank resumes: the global batch halves unless the user keeps it, and the job says so
-    in one line, with the two ways to keep it (nothing changes silently)."""
+def test_a_resume_on_fewer_replicas_that_keeps_the_per_rank_batch_says_so_and_records_true_positions(tmp_path):
+    """2 ranks checkpoint, 1 rank resumes with on_world_size_change='keep_per_rank_batch': the global batch
+    halves, and the job says so in one line (nothing changes silently)."""
     cfg = _job(tmp_path, "shrink", steps=4)
     launch("fault_tolerant.py", cfg, nproc=2)
-    resumed = launch("fault_tolerant.py", {**cfg, "steps": 6, "out": str(tmp_path / "shrink" / "one")}, nproc=1)
+    ft = {**cfg["ft"], "on_world_size_change": "keep_per_rank_batch"}
+    resumed = launch(
+        "fault_tolerant.py", {**cfg, "ft": ft, "steps": 6, "out": str(tmp_path / "shrink" / "one")}, nproc=1
+    )
     assert resumed.rank(0)["resumed_from"].endswith("step-000000004/checkpoint.pt")
     assert resumed.rank(0)["global_step"] == 6
     assert (
-        "FaultTolerantCheckpoint: resumed on 1 data-parallel replica(s) x batch 4 = 4 samples per batch of the"
-        " accumulation window, where the checkpoint was written with 2 x 4 = 8: every optimizer step now takes 4/8"
-        " of the uninterrupted run's samples"
-    ) in resumed.output
-    assert (
-        "To keep them, accumulate 2x as many batches per step (accumulate_grad_batches or the schedule) or use a"
-        " per-rank batch size of 8"
+        "FaultTolerantCheckpoint: world 2 -> 1 (dp 2 -> 1): per-rank batch 4 and accumulation 1 kept"
+        " (on_world_size_change='keep_per_rank_batch'), global batch 8 -> 4: the loss curve departs from the"
+        " uninterrupted run's; resuming at sample 32 of epoch 0"
     ) in resumed.output
 
     # the positions it records are global samples of this world's batches (Lightning's restored batch counter

@@ -22,6 +22,7 @@ __all__ = [
     "attach_device_mesh",
     "averaging_callbacks",
     "dump_checkpoint",
+    "epoch_finished_at_restore",
     "grad_scaler",
     "group_adding_callbacks",
     "hooks_before_optimizer_step",
@@ -29,7 +30,9 @@ __all__ = [
     "init_processes",
     "is_mock_optimizer",
     "lightning_optimizers",
+    "move_batch_counter",
     "process_group_backend",
+    "recount_training_batches",
     "restart_train_iterator",
     "share_zero_grad",
     "syncs_batchnorm",
@@ -69,6 +72,45 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+def epoch_finished_at_restore(trainer: pl.Trainer) -> bool:
+    """Whether the restored loop state ended its epoch: the checkpoint was written at the epoch's last batch
+    (lightning 2.6.6 restores ``is_last_batch`` with the epoch loop's batch progress)."""
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def move_batch_counter(trainer: pl.Trainer, batches: int) -> None:
+    """Set the restored epoch's batch counter to ``batches`` (lightning 2.6.6: the epoch loop's ``batch_progress``;
+    its ready/started/processed/completed keep their offsets, which tell where in a batch the checkpoint was
+    written, and the totals move by the same amount). Runs before the epoch loop's ``reset``, which reads it."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    shift = batches - progress.current.ready
+    for tracker in (progress.current, progress.total):
+        tracker.ready += shift
+        tracker.started += shift
+        tracker.processed += shift
+        tracker.completed += shift
+
+
+def recount_training_batches(trainer: pl.Trainer) -> None:
+    """Recount the training batches per epoch after a loader's batch size changed (lightning 2.6.6: the combined
+    loader's per-loader ``limits`` and ``FitLoop.max_batches`` are set once in ``setup_data``; only without a
+    ``limit_train_batches``), and the validation interval that is a fraction of the epoch. Restarts the training
+    iterator."""
+    from lightning.pytorch.utilities.data import sized_len
+
+    loop = trainer.fit_loop
+    combined = loop._combined_loader
+    if combined is None:
+        return
+    combined.limits = [sized_len(loader) or float("inf") for loader in combined.flattened]
+    restart_train_iterator(trainer)  # the combined loader's length is its current iterator's, made with the limits
+    batches = sized_len(combined)
+    loop.max_batches = batches if batches is not None else float("inf")
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and isinstance(trainer.val_check_batch, int) and batches is not None:
+        trainer.val_check_batch = max(1, int(batches * interval))
 
 
 def init_processes(strategy: ModelParallelStrategy) -> None:

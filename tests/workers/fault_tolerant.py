@@ -7,7 +7,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         kill_batch: SIGKILL the rank at the end of batch {"batch": b} (counted over epochs), mid-window or not
         signal: send itself SIGTERM (or inject.signal.name) at the start of the batch after step k
         nan: the loss of step k+1 on that rank is NaN
-        hang: the rank sleeps for an hour at the start of the batch after step k
+        hang: the rank sleeps for an hour at the start of the batch after step k (first touching "marker")
         kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
         fail_write: every file write of checkpoint k raises OSError on that rank
         slow_write: every file write of checkpoint k on that rank first sleeps {"seconds": s}
@@ -71,6 +71,10 @@ class Injector(Callback):
             os.kill(os.getpid(), getattr(signal, sig.get("name", "SIGTERM")))
         hang = self.inject.get("hang")
         if _armed(hang) and step == hang["step"]:
+            if "marker" in hang:
+                tmp = Path(hang["marker"] + ".tmp")
+                tmp.write_text(str(os.getpid()))
+                tmp.replace(hang["marker"])  # tells the test this rank is stuck, and its process
             time.sleep(3600)
         vanish = self.inject.get("vanish")
         if _armed(vanish) and step == vanish["step"]:
@@ -129,8 +133,10 @@ class Recorder(Callback):
     FaultTolerantCheckpoint did after the step: Lightning runs checkpoint callbacks last.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, window_loss: bool = False) -> None:
         self.steps: dict[int, dict[str, float]] = {}
+        self.window_loss = window_loss  # also the mean loss of each step's whole window over all ranks
+        self._window: list[float] = []
 
     @staticmethod
     def _digest(pl_module) -> float:
@@ -139,6 +145,8 @@ class Recorder(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
+        if not hasattr(self, "_last_step"):
+            self._last_step = trainer.global_step  # the step a resumed run starts from
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # the LR this update uses (the step it completes is global_step + 1)
@@ -147,6 +155,19 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         entry = self.steps.setdefault(trainer.global_step, {})
         entry["loss"] = float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs)
+        if self.window_loss:
+            # comparable across worlds: the window's micro-batches x replicas (each rank its own batches' mean)
+            # Lightning reports each micro-batch's loss divided by the accumulation
+            self._window.append(entry["loss"] * trainer.accumulate_grad_batches)
+            self._tokens = getattr(self, "_tokens", 0) + int(batch[0].long().sum())  # which samples it saw
+            if trainer.global_step != getattr(self, "_last_step", 0):
+                mean = torch.tensor([sum(self._window) / len(self._window), self._tokens], dtype=torch.float64)
+                if torch.distributed.is_initialized():
+                    torch.distributed.all_reduce(mean)
+                    mean[0] /= torch.distributed.get_world_size()
+                entry["window_loss"], entry["window_tokens"] = float(mean[0]), int(mean[1])
+                self._window, self._tokens = [], 0
+            self._last_step = trainer.global_step
         entry["lr"] = trainer.optimizers[0].param_groups[0]["lr"]
         plugin = trainer.precision_plugin
         if hasattr(plugin, "loss_scale"):
@@ -240,11 +261,13 @@ def main(cfg: dict[str, Any]) -> None:
         kwargs = dict(cfg["plugin"])
         kwargs["config"] = LossScaleConfig(**kwargs.get("config", {}))
         plugins.append(AdaptiveLossScalingPrecision(**kwargs))
-    recorder = Recorder()
+    recorder = Recorder(window_loss=cfg.get("window_loss", False))
     injector = Injector(inject)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=cfg.get("devices", int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
+        # the nodes of this attempt (torchrun --nnodes=MIN:MAX: a restart may see fewer)
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=make_strategy(cfg.get("strategy", {"name": "ddp"})),
         max_steps=cfg.get("steps", 8),
         logger=False,
@@ -276,6 +299,7 @@ def main(cfg: dict[str, Any]) -> None:
             "plugin": trainer.precision_plugin.state_dict() if plugins else None,
             "accumulation": extra[0].state_dict() if extra else None,
             "resumed_from": ft.resumed_from,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "validation_batches": injector.validation_batches,
         }
     )

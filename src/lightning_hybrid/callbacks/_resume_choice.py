@@ -23,6 +23,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_hybrid._agree import agree, agreed_problem
+from lightning_hybrid._protocols import ShardedCheckpointing
+from lightning_hybrid.callbacks._world_change import counterpart_rank
 from lightning_hybrid.callbacks._writer import load_target
 from lightning_hybrid.checkpoint._format import ManifestError, rank_file, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import load_payload
@@ -264,24 +266,32 @@ class ResumeState:
 
 
 def _rank_state(trainer: pl.Trainer, folder: StepFolder) -> dict[str, Any] | None:
-    """This rank's RNG streams and data position, from its rank file (verified, listed in the manifest)."""
+    """This rank's RNG streams and data position, from the rank file of the rank that had its role in the
+    checkpoint's world (verified, listed in the manifest); None where that world had no such role."""
     problem, state = None, None
     try:
-        name = rank_file(trainer.global_rank)
-        if name in read_manifest(folder.path, step=folder.step).files:
+        manifest = read_manifest(folder.path, step=folder.step)
+        strategy = trainer.strategy
+        layout = strategy.checkpoint_layout() if isinstance(strategy, ShardedCheckpointing) else None
+        source = counterpart_rank(trainer.global_rank, layout, manifest.info.get("layout"))
+        name = rank_file(source) if source is not None else None
+        if name in manifest.files:
             raw = load_payload(folder.path / name)
             state = {"rng": raw["rng"], "data": {k: int(v) for k, v in raw["data"].items()}}
     except Exception as exc:  # agreed below, so that every rank stops together
         problem = f"{type(exc).__name__}: {exc}"
-    (failed,) = agree([float(problem is not None)], device=trainer.strategy.root_device)
+    failed, fresh = agree(
+        [float(problem is not None), float(state is None)], op="sum", device=trainer.strategy.root_device
+    )
     if failed:
         raise RuntimeError(
             f"FaultTolerantCheckpoint: cannot restore the ranks' RNG streams and data position from {folder.path}"
             f" ({problem or 'on another rank'})."
         )
-    if state is None:
+    if fresh:
         rank_zero_warn(
-            f"FaultTolerantCheckpoint: {folder.path} was written by fewer ranks; ranks beyond those start fresh RNG"
-            " streams (the data position is restored on every rank)."
+            f"FaultTolerantCheckpoint: {folder.path} was written by a world without the role of {int(fresh)} rank(s)"
+            " of this one (more data-parallel replicas now); those start fresh RNG streams (the data position is"
+            " global and restored on every rank)."
         )
     return state

@@ -28,6 +28,7 @@ class SamplerOwner:
 
     def __init__(self) -> None:
         self.samplers: list[tuple[ResumableSampler, int]] = []
+        self.batch_samplers: list[BatchSampler] = []
         self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
         self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
         # (epoch, global position) the resumed epoch continued at, and Lightning's batch index of its first
@@ -38,7 +39,7 @@ class SamplerOwner:
 
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
-        self.samplers = []
+        self.samplers, self.batch_samplers = [], []
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         loaders = train_dataloaders(trainer)
         for loader in loaders:
@@ -63,6 +64,7 @@ class SamplerOwner:
                 sampler.resume_at(self.resume_at["epoch"], self.resume_at["consumed"])
                 self._anchor, self._anchor_batch = (self.resume_at["epoch"], self.resume_at["consumed"]), None
             self.samplers.append((sampler, batch_sampler.batch_size))
+            self.batch_samplers.append(batch_sampler)
         self.resume_at = None
         if self.samplers and len(self.samplers) == len(loaders):
             # Lightning warns that a mid-epoch resume without a stateful loader is unreliable: not with ours
@@ -87,38 +89,15 @@ class SamplerOwner:
             "replicas": sampler.num_replicas,
             "batch_size": batch_size,
             "accumulation": int(trainer.accumulate_grad_batches),
+            "world": trainer.world_size,
         }
 
-    def world_change(self, trainer: pl.Trainer, saved: dict[str, int] | None) -> str | None:
-        """What changed in the samples each batch of the accumulation window brings in (replicas x per-rank batch)
-        since ``saved``, a checkpoint's data position, as one line with how to keep them; None when nothing
-        did or the checkpoint does not say. The accumulation itself is the user's or the schedule's (an
-        ``AccumulationScheduler`` may change it on the very batch a run resumes at, as the uninterrupted run
-        does): a change of the world multiplies every step's samples by the same ratio, whatever the window."""
-        if not self.samplers or not saved:
-            return None
-        old_dp, old_batch = saved.get("replicas"), saved.get("batch_size")
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (old_dp, old_batch)):
-            return None  # written by an earlier version, or not ours to interpret
-        sampler, batch = self.samplers[0]
-        dp, k = sampler.num_replicas, int(trainer.accumulate_grad_batches)
-        old, new = old_dp * old_batch, dp * batch
-        if old == new:
-            return None
-        ways = []
-        if old % new == 0:
-            ways.append(f"accumulate {old // new}x as many batches per step (accumulate_grad_batches or the schedule)")
-        elif new % old == 0 and k % (new // old) == 0:
-            ways.append(f"accumulate {new // old}x fewer batches per step (accumulate_grad_batches or the schedule)")
-        if old % dp == 0:
-            ways.append(f"use a per-rank batch size of {old // dp} (a multiple of num_microbatches with a pipeline)")
-        how = " or ".join(ways) if ways else f"no whole per-rank batch size or accumulation keeps them on {dp} replicas"
-        return (
-            f"resumed on {dp} data-parallel replica(s) x batch {batch} = {new} samples per batch of the accumulation"
-            f" window, where the checkpoint was written with {old_dp} x {old_batch} = {old}: every optimizer step now"
-            f" takes {new}/{old} of the uninterrupted run's samples, so the loss curve departs from it. To keep"
-            f" them, {how}; the data order continues at the checkpoint's global sample."
-        )
+    def resize(self, batch_size: int) -> None:
+        """Give every owned loader another per-rank batch size (a resume that keeps the global batch on another
+        number of replicas); the caller recounts the epoch's batches and restarts the iterator."""
+        for batch_sampler in self.batch_samplers:
+            batch_sampler.batch_size = batch_size
+        self.samplers = [(sampler, batch_size) for sampler, _ in self.samplers]
 
 
 def _resumable(source: Any, seed: int) -> ResumableSampler | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
@@ -112,6 +113,7 @@ class AccumulationScheduler(Callback):
         self.k = lookup(self.schedule, 0)
         self.k0 = self.k
         self.samples = 0
+        self.scale = Fraction(1)  # K x scale is used: a resume on other replicas keeps the global batch
         self.last_adapt_step = 0
         self._in_window = 0
         self._exact_windows = False  # the strategy divides each window by its own element count
@@ -163,12 +165,13 @@ class AccumulationScheduler(Callback):
 
     def _wanted(self, trainer: pl.Trainer) -> int:
         if self.unit != "adaptive":
-            return lookup(self.schedule, self._position(trainer))
+            return int(lookup(self.schedule, self._position(trainer)) * self.scale)
         b_simple = self.noise.value
         if b_simple is None or trainer.global_step - self.last_adapt_step < self.adapt_every or not self._micro_samples:
             return self.k
         target = 2 ** round(math.log2(max(self.noise_fraction * b_simple / self._micro_samples, 1.0)))
-        target = min(max(target, self.min_k, self.k // 2), self.max_k, self.k * 2)  # at most x2 per change
+        low, high = int(self.min_k * self.scale), int(self.max_k * self.scale)
+        target = min(max(target, low, self.k // 2), high, self.k * 2)  # at most x2 per change
         return int(target)
 
     @override
@@ -239,8 +242,30 @@ class AccumulationScheduler(Callback):
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _lr_factor(self) -> float:
-        ratio = self.k / self.k0
+        ratio = self.k / (self.k0 * self.scale)
         return {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[self.lr_scaling]
+
+    # ---------------------------------------------------------------------- another number of replicas
+
+    def _ks(self) -> set[int]:
+        """Every K the schedule may choose, before the scale (K = 1 before a schedule's first key)."""
+        if self.unit == "adaptive":
+            return {self.min_k, self.max_k}
+        return set(self.schedule.values()) | ({1} if min(self.schedule) > 0 else set())
+
+    def can_rescale_accumulation(self, factor: Fraction) -> bool:
+        """Whether K now and every K the schedule may choose stay whole numbers when multiplied by ``factor``."""
+        scale = self.scale * factor
+        return (self.k * factor).denominator == 1 and all((k * scale).denominator == 1 for k in self._ks())
+
+    def rescale_accumulation(self, factor: Fraction) -> int:
+        """A resume on another number of data-parallel replicas keeps the global batch: K and the schedule's
+        values are multiplied by ``factor`` (the schedule stays keyed by its unit, samples counted globally)."""
+        if not self.can_rescale_accumulation(factor):
+            raise ValueError(f"AccumulationScheduler: K={self.k} and the schedule cannot be multiplied by {factor}.")
+        self.scale *= factor
+        self.k = int(self.k * factor)
+        return self.k
 
     # -------------------------------------------------------------------------------------- state
 
@@ -250,6 +275,7 @@ class AccumulationScheduler(Callback):
             "k": self.k,
             "k0": self.k0,
             "samples": self.samples,
+            "scale": [self.scale.numerator, self.scale.denominator],
             "last_adapt_step": self.last_adapt_step,
             "noise": self.noise.state_dict(),
         }
@@ -258,6 +284,7 @@ class AccumulationScheduler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.k, self.k0 = int(state_dict["k"]), int(state_dict["k0"])
         self.samples = int(state_dict["samples"])
+        self.scale = Fraction(*state_dict.get("scale", (1, 1)))
         self.last_adapt_step = int(state_dict["last_adapt_step"])
         self.noise.load_state_dict(state_dict["noise"])
 

@@ -43,6 +43,7 @@ from lightning_hybrid.callbacks._resume import restore_rng
 from lightning_hybrid.callbacks._resume_choice import ResumeState
 from lightning_hybrid.callbacks._samplers import SamplerOwner
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
+from lightning_hybrid.callbacks._world_change import WORLD_SIZE_CHANGES, OnWorldSizeChange, adapt_to_world
 from lightning_hybrid.callbacks._writer import CheckpointWriter
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "PREEMPTION_SAVE_FAILED_EXIT_CODE", "FaultTolerantCheckpoint"]
@@ -90,6 +91,11 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         hang_timeout: seconds without a finished step before the watchdog exits the process; ``None`` derives
             it from the step times seen (at least 5 minutes); ``0`` disables the watchdog. Checkpoint I/O
             never counts.
+        on_world_size_change: a resume on another number of data-parallel replicas (a node lost or added):
+            ``"keep_global_batch"`` rescales the accumulation (or, where that is not whole, the per-rank batch
+            size) so every step takes the uninterrupted run's samples; ``"keep_per_rank_batch"`` rescales
+            nothing and says so; ``"refuse"`` stops before step 0. Either way the data continues at the
+            checkpoint's global sample, and one line says what changed.
 
     Example::
 
@@ -113,6 +119,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         nan_policy: Union[NanPolicyName, None] = "skip",
         max_rollbacks: int = 3,
         hang_timeout: Union[float, None] = None,
+        on_world_size_change: OnWorldSizeChange = "keep_global_batch",
     ) -> None:
         if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
             raise ValueError(f"dirpath must be a folder path, got {dirpath!r}.")
@@ -127,6 +134,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         check_bool("requeue", requeue, optional=True)
         check_choice("nan_policy", nan_policy, ("skip", "rollback", "raise", None))
         check_int("max_rollbacks", max_rollbacks, minimum=0)
+        check_choice("on_world_size_change", on_world_size_change, WORLD_SIZE_CHANGES)
         check_number(
             "hang_timeout", hang_timeout, minimum=0, optional=True,
             fix="use None to derive it from the step times, or 0 to disable the watchdog",
@@ -143,6 +151,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self.nan_policy = nan_policy
         self.max_rollbacks = max_rollbacks
         self.hang_timeout = hang_timeout
+        self.on_world_size_change = on_world_size_change
 
         self.resumed_from: Union[str, None] = None
         """The checkpoint this run resumed from (the pointer resolved), if any."""
@@ -267,6 +276,10 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flag.install()
         self._samplers.own(trainer)
+        # after every other callback's on_train_start (Lightning runs checkpoint callbacks last): the schedule's K
+        position, self._resumed_position = self._resumed_position, None
+        if (change := adapt_to_world(trainer, position, self._samplers, self.on_world_size_change)) is not None:
+            event(f"FaultTolerantCheckpoint: {change}")
         if self._nan is not None and self._nan.policy == "skip":
             skip_schedulers_when(trainer, self._nan.skipped_last_step)
         self._seen_step = self._last_saved_step = trainer.global_step
@@ -289,11 +302,6 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
             # restored here, not at load time: nothing between the save and this batch may draw from it
             restore_rng(self._resume_rng)
             self._resume_rng = None
-        if self._resumed_position is not None:  # the first batch after a resume: every on_train_start ran
-            change = self._samplers.world_change(trainer, self._resumed_position)
-            self._resumed_position = None
-            if change:
-                event(f"FaultTolerantCheckpoint: {change}")
 
     @override
     def on_before_optimizer_step(

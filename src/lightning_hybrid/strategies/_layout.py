@@ -254,9 +254,12 @@ def resolve_layout(
     _check_positive("pipeline_parallel_size", pp)
     if dp == "auto":
         if world_size % pp:
+            usable = ", ".join(str(pp * tp * n) for n in range(1, 5))
             raise ValueError(
-                f"pipeline_parallel_size ({pp}) must divide the world size ({world_size}); choose a divisor"
-                f" of {world_size} or change the number of devices."
+                f"pipeline_parallel_size ({pp}) must divide the world size ({world_size * tp}): this layout runs on"
+                f" {usable}, ... processes (a multiple of {pp * tp}); choose a divisor of {world_size} as"
+                " pipeline_parallel_size or change the number of processes (a resume reshards the checkpoint onto"
+                " either)."
             )
         dp = world_size // pp
     _check_positive("data_parallel_size", dp)

@@ -1,0 +1,279 @@
+"""Resuming on another number of data-parallel replicas with the uninterrupted run's samples per step.
+
+A checkpoint's data position records what made its global batch: the data-parallel replicas, the per-rank
+batch size, the accumulation and the world size. A resume whose replicas x per-rank batch differ would take
+another number of samples per optimizer step (the loss curve departs from the uninterrupted run's), and
+Lightning would count the resumed epoch in the old world's batches (the accumulation window closes early,
+the epoch's end is missed). :func:`plan` decides what this run does about it; it reads only the
+checkpoint's global position and this run's sizes, so every rank decides the same, and a refusal is raised
+by every rank before step 0 with nothing deleted. :func:`apply` carries the decision out: the accumulation
+``K' = K x old / new`` (through the accumulation schedule when there is one, so it continues keyed by its
+unit), or, where that is not whole, the per-rank batch size; and Lightning's batch counter of the resumed
+epoch in this world's batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Literal, Protocol, Union, runtime_checkable
+
+import lightning.pytorch as pl
+
+from lightning_hybrid._lightning_compat import (
+    epoch_finished_at_restore,
+    move_batch_counter,
+    recount_training_batches,
+)
+from lightning_hybrid._protocols import ShardedCheckpointing, StepsInsideTrainingStep
+from lightning_hybrid.callbacks._samplers import SamplerOwner
+
+__all__ = [
+    "WORLD_SIZE_CHANGES",
+    "Batching",
+    "OnWorldSizeChange",
+    "WorldPlan",
+    "adapt_to_world",
+    "apply",
+    "counterpart_rank",
+    "plan",
+]
+
+OnWorldSizeChange = Literal["keep_global_batch", "keep_per_rank_batch", "refuse"]
+WORLD_SIZE_CHANGES = ("keep_global_batch", "keep_per_rank_batch", "refuse")
+
+
+@runtime_checkable
+class RescalesAccumulation(Protocol):
+    """A callback that owns ``accumulate_grad_batches`` (an accumulation schedule): a resume on another number of
+    replicas multiplies its K, now and for the rest of its schedule, by a factor."""
+
+    @property
+    def accumulate_grad_batches(self) -> int: ...
+
+    def can_rescale_accumulation(self, factor: Fraction) -> bool:
+        """Whether every K it may choose stays a whole number under ``factor``."""
+        ...
+
+    def rescale_accumulation(self, factor: Fraction) -> int:
+        """Multiply K (and the rest of the schedule) by ``factor``; returns the K in force now."""
+        ...
+
+
+def schedule_of(trainer: pl.Trainer) -> RescalesAccumulation | None:
+    return next((c for c in trainer.callbacks if isinstance(c, RescalesAccumulation)), None)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What makes a global batch: replicas x per-rank batch size x accumulation."""
+
+    replicas: int
+    batch_size: int
+    accumulation: int
+    world: Union[int, None] = None
+
+    @property
+    def per_batch(self) -> int:
+        """Samples each batch of the accumulation window brings in, over all replicas."""
+        return self.replicas * self.batch_size
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_batch * self.accumulation
+
+    @classmethod
+    def recorded(cls, position: dict[str, Any] | None) -> Batching | None:
+        """From a checkpoint's data position; None if it does not say (written by an earlier version)."""
+        if not position:
+            return None
+        values = [position.get(key) for key in ("replicas", "batch_size", "accumulation")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            return None
+        world = position.get("world")
+        return cls(*values, world=world if isinstance(world, int) and world >= 1 else None)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    """What a resume on another world does: ``new`` is what this run trains with from the resumed batch on."""
+
+    old: Batching
+    new: Batching
+    policy: OnWorldSizeChange
+    epoch: int
+    consumed: int  # global samples of the resumed epoch already trained on
+    factor: Fraction = Fraction(1)  # what this run's accumulation (and its schedule's) is multiplied by
+    configured: Union[int, None] = None  # the Trainer's K as configured, where the checkpoint's is kept instead
+
+    def batches(self) -> int:
+        """Batches of the resumed epoch already consumed, in this world's batches (whole windows of it)."""
+        done = self.consumed // self.new.per_batch
+        return done - done % self.new.accumulation
+
+    def line(self) -> str:
+        old, new = self.old, self.new
+        world = f"world {old.world or '?'} -> {new.world} (dp {old.replicas} -> {new.replicas})"
+        where = f"resuming at sample {self.consumed} of epoch {self.epoch}"
+        if self.policy == "keep_per_rank_batch":
+            return (
+                f"{world}: per-rank batch {new.batch_size} and accumulation {new.accumulation} kept"
+                f" (on_world_size_change='keep_per_rank_batch'), global batch {old.global_batch} ->"
+                f" {new.global_batch}: the loss curve departs from the uninterrupted run's; {where}"
+            )
+        changes = []
+        if self.configured is not None:
+            changes.append(
+                f"accumulation {new.accumulation} kept from the checkpoint (accumulate_grad_batches={self.configured}"
+                " configured; on_world_size_change='keep_per_rank_batch' uses it)"
+            )
+        if new.accumulation != old.accumulation:
+            changes.append(f"accumulation {old.accumulation} -> {new.accumulation}")
+        if new.batch_size != old.batch_size:
+            changes.append(f"per-rank batch {old.batch_size} -> {new.batch_size}")
+        return f"{world}: {', '.join(changes)}, global batch {new.global_batch} kept, {where}"
+
+
+def plan(
+    position: dict[str, Any] | None,
+    *,
+    world: int,
+    replicas: int,
+    batch_size: int,
+    accumulation: int,
+    policy: OnWorldSizeChange,
+    schedule: RescalesAccumulation | None = None,
+    engine: str | None = None,
+    microbatches: int = 1,
+    whole_epochs: bool = True,
+) -> WorldPlan | None:
+    """The resume's plan, or None when each batch of the window brings in what it did (or nothing is known).
+
+    ``accumulation``: the Trainer's K as configured for this run (kept by ``"keep_per_rank_batch"``; the global
+    batch is kept from the checkpoint's K, or the schedule's when there is one); ``engine``: an engine whose
+    accumulation is fixed when it is built (DeepSpeed); ``microbatches``: what the per-rank batch must be a
+    multiple of; ``whole_epochs``: whether the loader's length may be recounted (``limit_train_batches`` 1.0).
+    """
+    old = Batching.recorded(position)
+    if old is None or position is None:
+        return None
+    new = Batching(replicas, batch_size, accumulation, world)
+    at = {"epoch": int(position.get("epoch", 0)), "consumed": int(position.get("consumed", 0))}
+    if new.per_batch == old.per_batch:
+        if policy != "keep_global_batch" or schedule is not None or accumulation == old.accumulation:
+            return None
+        # the same replicas x batch, but the Trainer's K is the configuration's: an earlier resume on another
+        # world rescaled it, and a restart on this world must not silently undo that
+        kept = Batching(replicas, batch_size, old.accumulation, world)
+        return WorldPlan(old, kept, policy, **at, configured=accumulation)
+    was = (
+        f"the checkpoint was written on {old.world or '?'} rank(s) with {old.replicas} data-parallel replica(s) x"
+        f" per-rank batch {old.batch_size} x accumulation {old.accumulation} = global batch {old.global_batch};"
+        f" this run has {replicas} replica(s) on {world} rank(s)"
+    )
+    if policy == "refuse":
+        raise ValueError(
+            f"FaultTolerantCheckpoint(on_world_size_change='refuse'): {was}. Resume on {old.replicas} replica(s), or"
+            " pass on_world_size_change='keep_global_batch' (rescales the accumulation or the per-rank batch) or"
+            " 'keep_per_rank_batch'. Nothing was deleted."
+        )
+    if policy == "keep_per_rank_batch":
+        return WorldPlan(old, new, policy, **at)
+    factor = Fraction(old.per_batch, new.per_batch)
+    # K of the uninterrupted run at this point: the schedule's (restored with it), else the checkpoint's
+    accumulation = schedule.accumulate_grad_batches if schedule is not None else old.accumulation
+    k = accumulation * factor
+    if k.denominator == 1 and engine is None and (schedule is None or schedule.can_rescale_accumulation(factor)):
+        return WorldPlan(old, Batching(replicas, batch_size, int(k), world), policy, **at, factor=factor)
+    per_rank = Fraction(old.per_batch, replicas)
+    if per_rank.denominator == 1 and int(per_rank) % microbatches == 0 and engine is None and whole_epochs:
+        return WorldPlan(old, Batching(replicas, int(per_rank), accumulation, world), policy, **at)
+    usable = [d for d in range(1, old.global_batch + 1) if old.global_batch % (d * batch_size) == 0]
+    per_rank_fix = ""
+    if engine is not None:
+        how = f"{engine} fixes its accumulation and micro-batch size when its engine is built"
+        if per_rank.denominator == 1 and int(per_rank) % microbatches == 0:
+            per_rank_fix = f"set the per-rank batch size to {per_rank} in the configuration"
+    else:
+        how = f"accumulation {accumulation} x {factor} = {k} is not a whole number"
+        if schedule is not None and k.denominator == 1:
+            how = f"the accumulation schedule's K values x {factor} are not all whole numbers"
+        if per_rank.denominator != 1:
+            how += f", nor is a per-rank batch of {old.per_batch}/{replicas}"
+        elif int(per_rank) % microbatches:
+            how += f", and a per-rank batch of {per_rank} is not a multiple of num_microbatches ({microbatches})"
+        elif not whole_epochs:
+            how += f", and the per-rank batch ({per_rank}) is not changed while limit_train_batches is set"
+    raise ValueError(
+        f"FaultTolerantCheckpoint cannot keep the global batch on this world: {was}; {how}. Resume on a world with"
+        f" {' or '.join(map(str, usable))} data-parallel replica(s) (per-rank batch {batch_size}), "
+        + (f"{per_rank_fix}, " if per_rank_fix else "")
+        + "or pass on_world_size_change='keep_per_rank_batch' to go on with another global batch. Nothing was"
+        " deleted."
+    )
+
+
+def apply(
+    trainer: pl.Trainer, change: WorldPlan, schedule: RescalesAccumulation | None, samplers: SamplerOwner
+) -> None:
+    """Carry the plan out before the resumed epoch's first batch: the accumulation (the schedule's, which sets the
+    Trainer's), the per-rank batch size of the loaders whose sampler the callback owns, and Lightning's batch
+    counter of the resumed epoch in this world's batches."""
+    if schedule is not None and change.factor != 1:
+        schedule.rescale_accumulation(change.factor)
+    trainer.accumulate_grad_batches = change.new.accumulation
+    if change.new.batch_size != change.old.batch_size:
+        samplers.resize(change.new.batch_size)
+        recount_training_batches(trainer)
+    if change.epoch != trainer.current_epoch:
+        return  # the next epoch starts from its first batch
+    if epoch_finished_at_restore(trainer):  # written at the epoch's last batch: it ends in this world's count too
+        if trainer.num_training_batches != float("inf"):
+            move_batch_counter(trainer, int(trainer.num_training_batches))
+        return
+    move_batch_counter(trainer, change.batches())
+
+
+def counterpart_rank(rank: int, layout: dict[str, Any] | None, saved: dict[str, Any] | None) -> int | None:
+    """The rank of the checkpoint's world that had this rank's role (pipeline stage, data-parallel replica,
+    tensor-parallel rank: ranks are numbered row-major by both engines), whose per-rank state (RNG streams) this
+    rank restores; None when the checkpoint's world had no such role (more replicas now). Without both layout
+    records (Lightning's strategies: every rank is a replica) the role is the rank itself."""
+    if not layout or not saved:
+        return rank
+    sizes = [(int(r.get("pipeline_parallel_size", 1)), int(r.get("data_parallel_size", 1)),
+              int(r.get("tensor_parallel_size", 1))) for r in (layout, saved)]  # fmt: skip
+    (_, dp, tp), (old_pp, old_dp, old_tp) = sizes
+    stage, replica, t = rank // (dp * tp), (rank // tp) % dp, rank % tp
+    if stage >= old_pp or replica >= old_dp or t >= old_tp:
+        return None
+    return (stage * old_dp + replica) * old_tp + t
+
+
+def adapt_to_world(
+    trainer: pl.Trainer, position: dict[str, Any] | None, samplers: SamplerOwner, policy: OnWorldSizeChange
+) -> str | None:
+    """Plan and apply a resume from ``position`` (the checkpoint's data position) on this world; the line that
+    says what changed, or None when nothing did. Raises, on every rank alike, when the policy refuses."""
+    if not samplers.samplers or position is None:
+        return None  # no owned sampler: the data position is not ours to continue
+    sampler, batch_size = samplers.samplers[0]
+    schedule = schedule_of(trainer)
+    strategy = trainer.strategy
+    record = strategy.checkpoint_layout() if isinstance(strategy, ShardedCheckpointing) else {}
+    change = plan(
+        position,
+        world=trainer.world_size,
+        replicas=sampler.num_replicas,
+        batch_size=batch_size,
+        accumulation=schedule.accumulate_grad_batches if schedule else int(trainer.accumulate_grad_batches),
+        policy=policy,
+        schedule=schedule,
+        engine=strategy.engine_name() if isinstance(strategy, StepsInsideTrainingStep) else None,
+        microbatches=int(record.get("num_microbatches") or 1) if record.get("pipeline_parallel_size", 1) > 1 else 1,
+        whole_epochs=trainer.limit_train_batches == 1.0 and isinstance(trainer.limit_train_batches, float),
+    )
+    if change is None:
+        return None
+    apply(trainer, change, schedule, samplers)
+    return change.line()
