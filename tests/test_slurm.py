@@ -91,8 +91,19 @@ def _wait(job: str, predicate, what: str, timeout: float, log: Path) -> dict[str
     _fail(job, f"timed out after {timeout:.0f} s waiting for {what}", log)
 
 
-def _submit(tmp: Path, name: str) -> tuple[str, Path, Path]:
+def _wait_for_checkpoint(job: str, folder: Path, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not (folder / "manifest.json").exists():
+        assert time.monotonic() < deadline, f"no checkpoint {folder.name}\n{log.read_text()[-4000:]}"
+        assert _job_state(job).get("JobState") in ("PENDING", "RUNNING"), log.read_text()[-4000:]
+        time.sleep(0.5)
+
+
+def _submit(tmp: Path, name: str, *, nodes: str = "2", fp32: bool = False) -> tuple[str, Path, Path]:
     config = yaml.safe_load((ROOT / "examples/configs/main.yaml").read_text())
+    if fp32:  # no loss scaling and no dropout: the same samples give the same steps on any world
+        config["trainer"].pop("plugins", None)
+        config["model"]["dropout"] = 0.0
     (ft,) = [cb for cb in config["trainer"]["callbacks"] if cb["class_path"].endswith("FaultTolerantCheckpoint")]
     ckpt = tmp / name / "checkpoints"
     ft["init_args"].update({"dirpath": str(ckpt), "every_n_train_steps": 10})
@@ -107,7 +118,7 @@ def _submit(tmp: Path, name: str) -> tuple[str, Path, Path]:
         MASTER_ADDR="127.0.0.1", **_ENV,
     )  # fmt: skip
     cmd = [
-        "sbatch", "--parsable", f"--job-name=lh-{name}", "--nodes=2", "--ntasks-per-node=2",
+        "sbatch", "--parsable", f"--job-name=lh-{name}", f"--nodes={nodes}", "--ntasks-per-node=2",
         "--cpus-per-task=1", "--gpus-per-node=0",
         "--requeue", "--signal=B:USR1@60", "--time=30", f"--output={log}", "--open-mode=append",
         str(ROOT / "examples/slurm/train.sbatch"),
@@ -125,12 +136,7 @@ def test_sbatch_preempted_by_usr1_requeues_and_ends_with_the_uninterrupted_weigh
         _fail(ref_job, "the reference job did not complete", ref_log)
 
     job, ckpt, log = _submit(tmp_path, "preempted")
-    first = ckpt / "step-000000010" / "manifest.json"
-    deadline = time.monotonic() + 300
-    while not first.exists():
-        assert time.monotonic() < deadline, f"no checkpoint at step 10\n{log.read_text()[-4000:]}"
-        assert _job_state(job).get("JobState") in ("PENDING", "RUNNING"), log.read_text()[-4000:]
-        time.sleep(0.5)
+    _wait_for_checkpoint(job, ckpt / "step-000000010", log)
     # the preemption warning Slurm would send before the time limit, to the batch shell (B:)
     _slurm("scancel", "--signal=USR1", "--batch", job, check=True)
     _wait(job, lambda s: s.get("Restarts") == "1", "the requeue", 300, log)
@@ -163,3 +169,45 @@ def test_sbatch_preempted_by_usr1_requeues_and_ends_with_the_uninterrupted_weigh
 def _nodes_idle() -> bool:
     states = _slurm("sinfo", "-h", "-N", "-o", "%t").stdout.split()
     return len(states) == 2 and all(state == "idle" for state in states)
+
+
+@pytest.mark.timeout(1800)
+def test_a_job_preempted_on_two_nodes_continues_on_one_with_the_global_batch(tmp_path, slurm_cluster):
+    """Preempted on two nodes (pp2 x dp2), the job is requeued; the second node is then lost (drained). Slurm
+    22.05 keeps a requeued job's node count (``scontrol update NumNodes`` cannot lower its minimum), so the run
+    continues as the operator would: the requeued job is cancelled and the same script is submitted on the one
+    node left, on the same checkpoint folder (pp2 x dp1): K doubles, and it ends with the uninterrupted run's
+    weights (fp32, no dropout; sums in another order: 1e-4)."""
+    ref_job, ref_ckpt, ref_log = _submit(tmp_path, "reference-fp32", fp32=True)
+    _wait(ref_job, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 480, ref_log)
+    if _job_state(ref_job)["JobState"] != "COMPLETED":
+        _fail(ref_job, "the reference job did not complete", ref_log)
+
+    job, ckpt, log = _submit(tmp_path, "shrunk", nodes="1-2", fp32=True)
+    _wait_for_checkpoint(job, ckpt / "step-000000010", log)
+    assert _job_state(job).get("NumNodes") == "2"
+    _slurm("scancel", "--signal=USR1", "--batch", job, check=True)
+    _wait(job, lambda s: s.get("Restarts") == "1", "the requeue", 300, log)
+    _wait(job, lambda s: s.get("JobState") == "PENDING", "the requeued job to pend", 300, log)
+    _slurm("scancel", job, check=True)
+    _wait(job, lambda s: _nodes_idle(), "the old instance to be cleaned up", 300, log)
+    _slurm("scontrol", "update", "nodename=n2", "state=drain", "reason=lost", check=True)
+    try:
+        again, _, log2 = _submit(tmp_path, "shrunk", nodes="1", fp32=True)
+        _wait(again, lambda s: s.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), "the end", 480, log2)
+        if _job_state(again)["JobState"] != "COMPLETED":
+            _fail(again, "the job did not complete on one node", log2)
+    finally:
+        _slurm("scontrol", "update", "nodename=n2", "state=resume")
+    text = log2.read_text()
+    saved = re.search(r"saved step (\d+) after a preemption signal", text)
+    assert saved, text[-4000:]
+    assert f"resuming from {ckpt / f'step-{int(saved.group(1)):09d}'}" in text
+    line = r"world 4 -> 2 \(dp 2 -> 1\): accumulation (\d+) -> (\d+), global batch \d+ kept"
+    found = re.search(line, text)
+    assert found and int(found.group(2)) == 2 * int(found.group(1)), text[-4000:]
+    final = f"step-{STEPS:09d}"
+    ours, reference = consolidate_checkpoint(ckpt / final), consolidate_checkpoint(ref_ckpt / final)
+    assert ours.keys() == reference.keys()
+    diff = max((ours[k] - reference[k]).abs().max().item() for k in reference if torch.is_tensor(reference[k]))
+    assert diff < 1e-4, f"continued on one node after step {saved.group(1)}: weights differ by {diff}"

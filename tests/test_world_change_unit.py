@@ -36,7 +36,7 @@ def test_a_fractional_accumulation_changes_the_per_rank_batch_or_refuses_with_th
     assert change is not None and change.new == Batching(2, 2, 1, world=2) and change.batches() == 3
     assert "per-rank batch 4 -> 2, global batch 4 kept" in change.line()
     # ...not when the pipeline needs 4 micro-batches per batch, nor when the epoch's batches are limited
-    for kwargs in ({"microbatches": 4}, {"whole_epochs": False}):
+    for kwargs in ({"microbatches": 4}, {"resize_problem": "there is more than one training loader"}):
         with pytest.raises(ValueError, match="cannot keep the global batch") as error:
             plan(_position(1, 4, 1, world=1), world=2, replicas=2, batch_size=4, accumulation=1,
                  policy="keep_global_batch", **kwargs)  # fmt: skip
@@ -84,14 +84,13 @@ def test_an_accumulation_schedule_is_rescaled_whole_or_not_at_all():
 def test_a_restart_on_the_same_world_keeps_the_accumulation_an_earlier_resume_rescaled():
     """2 ranks -> 1 (K 1 -> 2), then the 1-rank job restarts on 1 rank: the configuration still says K=1, the
     checkpoint K=2; the global batch of the uninterrupted run is kept, and the line says so."""
-    change = plan(_position(1, 4, 2, world=1, consumed=40), world=1, replicas=1, batch_size=4, accumulation=1,
-                  policy="keep_global_batch")  # fmt: skip
+    position = {**_position(1, 4, 2, world=1, consumed=40), "configured": 1}
+    change = plan(position, world=1, replicas=1, batch_size=4, accumulation=1, policy="keep_global_batch")
     assert change is not None and change.new == Batching(1, 4, 2, world=1) and change.batches() == 10
     assert "accumulation 2 kept from the checkpoint (accumulate_grad_batches=1 configured" in change.line()
     assert "global batch 8 kept" in change.line()
     for policy in ("keep_per_rank_batch", "refuse"):  # the configured K is the user's choice there
-        assert plan(_position(1, 4, 2, world=1), world=1, replicas=1, batch_size=4, accumulation=1,
-                    policy=policy) is None  # fmt: skip
+        assert plan(position, world=1, replicas=1, batch_size=4, accumulation=1, policy=policy) is None
 
 
 def test_per_rank_state_is_restored_from_the_rank_that_had_the_same_role():
@@ -119,3 +118,36 @@ def test_a_checkpoint_from_8_visible_devices_restores_on_4_and_on_1_by_the_local
     own = per_device[6]  # this version: the process on device 6 saved only its own stream
     for device in (3, 0):  # its role continues on device 3 of 4, or 0 of 1
         assert cuda_state_for(own, device) is own
+
+
+def test_review_cases_restart_after_a_resize_mid_window_checkpoints_and_a_changed_configuration():
+    # a restart on the same 3 replicas after an earlier resume made the per-rank batch 8 (configured: 6)
+    restart = plan(_position(3, 8, 2, world=3, consumed=48), world=3, replicas=3, batch_size=6, accumulation=2,
+                   policy="keep_global_batch")  # fmt: skip
+    assert restart is not None and restart.new == Batching(3, 8, 2, world=3) and restart.same_batches
+    assert "per-rank batch 6 -> 8, global batch 48 kept, resuming at sample 48" in restart.line()
+    # keep_per_rank_batch onto 3 replicas from sample 16: every replica must get as many batches (a whole
+    # window of 12 samples): the resume starts at 12 and says so
+    uneven = plan(_position(consumed=16), world=3, replicas=3, batch_size=4, accumulation=1,
+                  policy="keep_per_rank_batch")  # fmt: skip
+    assert uneven is not None and uneven.resume_sample() == 12 and uneven.batches() == 1
+    assert "written at sample 16, inside one of this world's accumulation windows" in uneven.line()
+    # a checkpoint written mid-window (a preemption during validation): the new world's window is taken again
+    mid = plan(_position(2, 4, 4, consumed=80), world=8, replicas=4, batch_size=4, accumulation=4,
+               policy="keep_global_batch")  # fmt: skip
+    assert mid is not None and mid.new.accumulation == 2 and mid.resume_sample() == 64 and mid.batches() == 4
+    # the configuration's K changed since the rescaling run: the user's choice stands
+    position = {**_position(1, 4, 2, world=1, consumed=40), "configured": 1}  # type: ignore[dict-item]
+    assert plan(position, world=1, replicas=1, batch_size=4, accumulation=4, policy="keep_global_batch") is None
+    kept = plan(position, world=1, replicas=1, batch_size=4, accumulation=1, policy="keep_global_batch")
+    assert kept is not None and kept.new.accumulation == 2 and kept.same_batches
+    with pytest.raises(ValueError, match="limit_train_batches=5 counts per-rank batches"):
+        plan(_position(), world=2, replicas=1, batch_size=4, accumulation=1, policy="keep_global_batch",
+             keep_problem="limit_train_batches=5 counts per-rank batches")  # fmt: skip
+
+
+def test_an_adaptive_schedule_keeps_windows_of_two_after_a_rescale():
+    sched = AccumulationScheduler(unit="adaptive", min_k=2, max_k=16)
+    sched.k = 4
+    assert sched.can_rescale_accumulation(Fraction(2))
+    assert not sched.can_rescale_accumulation(Fraction(1, 2))  # min_k 2 -> 1: no noise scale measured

@@ -28,6 +28,7 @@ __all__ = [
     "hooks_before_optimizer_step",
     "fit_data_source",
     "init_processes",
+    "limit_training_batches",
     "is_mock_optimizer",
     "lightning_optimizers",
     "move_batch_counter",
@@ -91,6 +92,22 @@ def move_batch_counter(trainer: pl.Trainer, batches: int) -> None:
         tracker.started += shift
         tracker.processed += shift
         tracker.completed += shift
+
+
+def limit_training_batches(trainer: pl.Trainer, batches: int) -> None:
+    """End every epoch of this fit after ``batches`` training batches (lightning 2.6.6: the combined loader's
+    ``limits`` and ``FitLoop.max_batches``, as ``limit_train_batches`` sets them in ``setup_data``). Restarts the
+    training iterator."""
+    loop = trainer.fit_loop
+    combined = loop._combined_loader
+    if combined is None:
+        return
+    combined.limits = [batches] * len(combined.flattened)
+    restart_train_iterator(trainer)
+    loop.max_batches = batches
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and isinstance(trainer.val_check_batch, int):
+        trainer.val_check_batch = max(1, int(batches * interval))
 
 
 def recount_training_batches(trainer: pl.Trainer) -> None:

@@ -28,6 +28,8 @@ class SamplerOwner:
 
     def __init__(self) -> None:
         self.samplers: list[tuple[ResumableSampler, int]] = []
+        self.configured_k = 1
+        self.epoch_samples: int | None = None  # global samples per epoch of the world the run started on
         self.batch_samplers: list[BatchSampler] = []
         self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
         self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
@@ -40,6 +42,7 @@ class SamplerOwner:
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
         self.samplers, self.batch_samplers = [], []
+        self.configured_k = int(trainer.accumulate_grad_batches)  # before a resume on another world rescales it
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         loaders = train_dataloaders(trainer)
         for loader in loaders:
@@ -65,6 +68,9 @@ class SamplerOwner:
                 self._anchor, self._anchor_batch = (self.resume_at["epoch"], self.resume_at["consumed"]), None
             self.samplers.append((sampler, batch_sampler.batch_size))
             self.batch_samplers.append(batch_sampler)
+        resumed = self.resume_at or {}
+        saved = resumed.get("epoch_samples")
+        self.epoch_samples = saved if isinstance(saved, int) and saved > 0 else self.epoch_samples_now(trainer)
         self.resume_at = None
         if self.samplers and len(self.samplers) == len(loaders):
             # Lightning warns that a mid-epoch resume without a stateful loader is unreliable: not with ours
@@ -89,8 +95,29 @@ class SamplerOwner:
             "replicas": sampler.num_replicas,
             "batch_size": batch_size,
             "accumulation": int(trainer.accumulate_grad_batches),
+            "configured": self.configured_k,
+            "epoch_samples": self.epoch_samples,
             "world": trainer.world_size,
         }
+
+    def samples_per_batch(self) -> int:
+        """Global samples of one training batch of the first owned loader (replicas x per-rank batch)."""
+        sampler, batch_size = self.samplers[0]
+        return sampler.num_replicas * batch_size
+
+    def epoch_samples_now(self, trainer: pl.Trainer) -> int | None:
+        """Global samples an epoch of this fit takes as its loader stands (None: unknown or unbounded)."""
+        batches = trainer.num_training_batches
+        if not self.samplers or batches == float("inf"):
+            return None
+        return int(batches) * self.samples_per_batch()
+
+    def restart_at(self, trainer: pl.Trainer, epoch: int, consumed: int) -> None:
+        """Continue ``epoch`` at global position ``consumed`` instead (a whole window of this world's)."""
+        for sampler, _ in self.samplers:
+            sampler.resume_at(epoch, consumed)
+        self._anchor, self._anchor_batch = (epoch, consumed), None
+        restart_train_iterator(trainer)
 
     def resize(self, batch_size: int) -> None:
         """Give every owned loader another per-rank batch size (a resume that keeps the global batch on another

@@ -19,11 +19,14 @@ from fractions import Fraction
 from typing import Any, Literal, Protocol, Union, runtime_checkable
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_hybrid._lightning_compat import (
     epoch_finished_at_restore,
+    limit_training_batches,
     move_batch_counter,
     recount_training_batches,
+    train_dataloaders,
 )
 from lightning_hybrid._protocols import ShardedCheckpointing, StepsInsideTrainingStep
 from lightning_hybrid.callbacks._samplers import SamplerOwner
@@ -102,19 +105,39 @@ class WorldPlan:
     new: Batching
     policy: OnWorldSizeChange
     epoch: int
-    consumed: int  # global samples of the resumed epoch already trained on
+    consumed: int  # global samples of the resumed epoch already trained on, by the checkpoint
+    loader_batch: int  # this run's per-rank batch size as configured
     factor: Fraction = Fraction(1)  # what this run's accumulation (and its schedule's) is multiplied by
     configured: Union[int, None] = None  # the Trainer's K as configured, where the checkpoint's is kept instead
 
+    @property
+    def same_batches(self) -> bool:
+        """Each batch of the window brings in what it did: Lightning's restored counter is right as it is."""
+        return self.new.per_batch == self.old.per_batch
+
+    def resume_sample(self) -> int:
+        """Where the resumed epoch continues: the checkpoint's sample, or, when that is inside a window of this
+        world (a checkpoint written mid-window, by a preemption during validation or at a run's end), the start
+        of that window: its gradient was never applied, so its samples are taken again in one whole window, on
+        every replica alike."""
+        if self.same_batches:
+            return self.consumed
+        window = self.new.per_batch * self.new.accumulation
+        return self.consumed - self.consumed % window
+
     def batches(self) -> int:
-        """Batches of the resumed epoch already consumed, in this world's batches (whole windows of it)."""
-        done = self.consumed // self.new.per_batch
-        return done - done % self.new.accumulation
+        """Batches of the resumed epoch already consumed, in this world's batches."""
+        return self.resume_sample() // self.new.per_batch
 
     def line(self) -> str:
         old, new = self.old, self.new
         world = f"world {old.world or '?'} -> {new.world} (dp {old.replicas} -> {new.replicas})"
-        where = f"resuming at sample {self.consumed} of epoch {self.epoch}"
+        where = f"resuming at sample {self.resume_sample()} of epoch {self.epoch}"
+        if self.resume_sample() != self.consumed:
+            where += (
+                f" (the checkpoint was written at sample {self.consumed}, inside one of this world's accumulation"
+                " windows: that window is taken again from its start, on every replica alike)"
+            )
         if self.policy == "keep_per_rank_batch":
             return (
                 f"{world}: per-rank batch {new.batch_size} and accumulation {new.accumulation} kept"
@@ -129,8 +152,8 @@ class WorldPlan:
             )
         if new.accumulation != old.accumulation:
             changes.append(f"accumulation {old.accumulation} -> {new.accumulation}")
-        if new.batch_size != old.batch_size:
-            changes.append(f"per-rank batch {old.batch_size} -> {new.batch_size}")
+        if new.batch_size != self.loader_batch:
+            changes.append(f"per-rank batch {self.loader_batch} -> {new.batch_size}")
         return f"{world}: {', '.join(changes)}, global batch {new.global_batch} kept, {where}"
 
 
@@ -145,31 +168,40 @@ def plan(
     schedule: RescalesAccumulation | None = None,
     engine: str | None = None,
     microbatches: int = 1,
-    whole_epochs: bool = True,
+    resize_problem: str | None = None,
+    keep_problem: str | None = None,
 ) -> WorldPlan | None:
     """The resume's plan, or None when each batch of the window brings in what it did (or nothing is known).
 
-    ``accumulation``: the Trainer's K as configured for this run (kept by ``"keep_per_rank_batch"``; the global
-    batch is kept from the checkpoint's K, or the schedule's when there is one); ``engine``: an engine whose
-    accumulation is fixed when it is built (DeepSpeed); ``microbatches``: what the per-rank batch must be a
-    multiple of; ``whole_epochs``: whether the loader's length may be recounted (``limit_train_batches`` 1.0).
+    ``batch_size``, ``accumulation``: this run's per-rank batch and the Trainer's K as configured (kept by
+    ``"keep_per_rank_batch"``; the global batch is kept from the checkpoint's K, or the schedule's when there is
+    one); ``engine``: an engine whose accumulation is fixed when it is built (DeepSpeed); ``microbatches``: what
+    the per-rank batch must be a multiple of; ``resize_problem``: why the per-rank batch cannot change in this
+    run, if it cannot; ``keep_problem``: why the global batch cannot be kept at all, if it cannot.
     """
     old = Batching.recorded(position)
     if old is None or position is None:
         return None
     new = Batching(replicas, batch_size, accumulation, world)
-    at = {"epoch": int(position.get("epoch", 0)), "consumed": int(position.get("consumed", 0))}
+    at = {
+        "epoch": int(position.get("epoch", 0)),
+        "consumed": int(position.get("consumed", 0)),
+        "loader_batch": batch_size,
+    }
     if new.per_batch == old.per_batch:
+        configured = position.get("configured")
         if policy != "keep_global_batch" or schedule is not None or accumulation == old.accumulation:
             return None
-        # the same replicas x batch, but the Trainer's K is the configuration's: an earlier resume on another
-        # world rescaled it, and a restart on this world must not silently undo that
+        if configured != accumulation:
+            return None  # the configuration's K changed since: the user's choice
+        # the configuration is the one that was rescaled by an earlier resume on another world: a restart on this
+        # world must not silently undo the rescale
         kept = Batching(replicas, batch_size, old.accumulation, world)
         return WorldPlan(old, kept, policy, **at, configured=accumulation)
     was = (
         f"the checkpoint was written on {old.world or '?'} rank(s) with {old.replicas} data-parallel replica(s) x"
         f" per-rank batch {old.batch_size} x accumulation {old.accumulation} = global batch {old.global_batch};"
-        f" this run has {replicas} replica(s) on {world} rank(s)"
+        f" this run has {replicas} replica(s) x per-rank batch {batch_size} on {world} rank(s)"
     )
     if policy == "refuse":
         raise ValueError(
@@ -179,6 +211,11 @@ def plan(
         )
     if policy == "keep_per_rank_batch":
         return WorldPlan(old, new, policy, **at)
+    if keep_problem is not None:
+        raise ValueError(
+            f"FaultTolerantCheckpoint cannot keep the global batch on this world: {was}; {keep_problem}. Pass"
+            " on_world_size_change='keep_per_rank_batch' to go on with another global batch. Nothing was deleted."
+        )
     factor = Fraction(old.per_batch, new.per_batch)
     # K of the uninterrupted run at this point: the schedule's (restored with it), else the checkpoint's
     accumulation = schedule.accumulate_grad_batches if schedule is not None else old.accumulation
@@ -186,13 +223,14 @@ def plan(
     if k.denominator == 1 and engine is None and (schedule is None or schedule.can_rescale_accumulation(factor)):
         return WorldPlan(old, Batching(replicas, batch_size, int(k), world), policy, **at, factor=factor)
     per_rank = Fraction(old.per_batch, replicas)
-    if per_rank.denominator == 1 and int(per_rank) % microbatches == 0 and engine is None and whole_epochs:
+    fits = per_rank.denominator == 1 and int(per_rank) % microbatches == 0
+    if fits and engine is None and resize_problem is None:
         return WorldPlan(old, Batching(replicas, int(per_rank), accumulation, world), policy, **at)
     usable = [d for d in range(1, old.global_batch + 1) if old.global_batch % (d * batch_size) == 0]
     per_rank_fix = ""
     if engine is not None:
         how = f"{engine} fixes its accumulation and micro-batch size when its engine is built"
-        if per_rank.denominator == 1 and int(per_rank) % microbatches == 0:
+        if fits:
             per_rank_fix = f"set the per-rank batch size to {per_rank} in the configuration"
     else:
         how = f"accumulation {accumulation} x {factor} = {k} is not a whole number"
@@ -202,8 +240,9 @@ def plan(
             how += f", nor is a per-rank batch of {old.per_batch}/{replicas}"
         elif int(per_rank) % microbatches:
             how += f", and a per-rank batch of {per_rank} is not a multiple of num_microbatches ({microbatches})"
-        elif not whole_epochs:
-            how += f", and the per-rank batch ({per_rank}) is not changed while limit_train_batches is set"
+        elif resize_problem is not None:
+            how += f", and the per-rank batch cannot become {per_rank} in this run: {resize_problem}"
+            per_rank_fix = f"set the per-rank batch size to {per_rank} in the configuration"
     raise ValueError(
         f"FaultTolerantCheckpoint cannot keep the global batch on this world: {was}; {how}. Resume on a world with"
         f" {' or '.join(map(str, usable))} data-parallel replica(s) (per-rank batch {batch_size}), "
@@ -214,24 +253,51 @@ def plan(
 
 
 def apply(
-    trainer: pl.Trainer, change: WorldPlan, schedule: RescalesAccumulation | None, samplers: SamplerOwner
-) -> None:
+    trainer: pl.Trainer,
+    change: WorldPlan,
+    schedule: RescalesAccumulation | None,
+    samplers: SamplerOwner,
+    epoch_samples: int | None = None,
+) -> str | None:
     """Carry the plan out before the resumed epoch's first batch: the accumulation (the schedule's, which sets the
-    Trainer's), the per-rank batch size of the loaders whose sampler the callback owns, and Lightning's batch
-    counter of the resumed epoch in this world's batches."""
+    Trainer's), the per-rank batch size of the loader whose sampler the callback owns, the epoch's end, the
+    sampler's position (a window's start), and Lightning's batch counter of the resumed epoch in this world's
+    batches. Returns a note when the uninterrupted run's epoch end cannot be kept."""
     if schedule is not None and change.factor != 1:
         schedule.rescale_accumulation(change.factor)
     trainer.accumulate_grad_batches = change.new.accumulation
-    if change.new.batch_size != change.old.batch_size:
+    if change.new.batch_size != change.loader_batch:
         samplers.resize(change.new.batch_size)
-        recount_training_batches(trainer)
-    if change.epoch != trainer.current_epoch:
-        return  # the next epoch starts from its first batch
+        recount_training_batches(trainer)  # restarts the iterator
+    note = keep_epoch_end(trainer, samplers, epoch_samples) if change.policy == "keep_global_batch" else None
+    if change.same_batches or change.epoch != trainer.current_epoch:
+        return note  # Lightning's counter is right; or the next epoch starts from its first batch
     if epoch_finished_at_restore(trainer):  # written at the epoch's last batch: it ends in this world's count too
         if trainer.num_training_batches != float("inf"):
             move_batch_counter(trainer, int(trainer.num_training_batches))
-        return
+        return note
+    if change.resume_sample() != change.consumed:
+        samplers.restart_at(trainer, change.epoch, change.resume_sample())
     move_batch_counter(trainer, change.batches())
+    return note
+
+
+def keep_epoch_end(trainer: pl.Trainer, samplers: SamplerOwner, epoch_samples: int | None) -> str | None:
+    """End each epoch at the uninterrupted run's sample ``epoch_samples``: its loader dropped the last, partial
+    per-rank batch (``drop_last``) or padded, so its epoch's length depends on its replicas and batch size. A
+    note when this world's batches cannot end there (the epoch ends where this world's loader ends it)."""
+    natural = samplers.epoch_samples_now(trainer)
+    if epoch_samples is None or natural is None or epoch_samples == natural:
+        return None
+    per_batch = samplers.samples_per_batch()
+    if epoch_samples % per_batch or epoch_samples > natural:
+        return (
+            f"each epoch of the uninterrupted run took {epoch_samples} samples, not a whole number of this world's"
+            f" batches of {per_batch}: epochs take {natural} here, so the last window of each differs"
+        )
+    limit_training_batches(trainer, epoch_samples // per_batch)
+    samplers.epoch_samples = epoch_samples
+    return None
 
 
 def counterpart_rank(rank: int, layout: dict[str, Any] | None, saved: dict[str, Any] | None) -> int | None:
@@ -261,19 +327,40 @@ def adapt_to_world(
     schedule = schedule_of(trainer)
     strategy = trainer.strategy
     record = strategy.checkpoint_layout() if isinstance(strategy, ShardedCheckpointing) else {}
+    limit = trainer.limit_train_batches
+    keep_problem = None
+    if not (isinstance(limit, float) and limit == 1.0):
+        keep_problem = (
+            f"limit_train_batches={limit!r} counts per-rank batches, so the epoch would end at another sample;"
+            " remove it, or set it for this world"
+        )
+    elif any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
+        keep_problem = (
+            "Lightning's GradientAccumulationScheduler sets K from its own schedule each epoch; use"
+            " lightning_hybrid.callbacks.AccumulationScheduler, whose schedule is rescaled"
+        )
+    resize_problem = None
+    if len(samplers.batch_samplers) != 1 or len(samplers.samplers) != len(train_dataloaders(trainer)):
+        resize_problem = "there is more than one training loader (or one whose sampler is not resumable)"
+    elif trainer.reload_dataloaders_every_n_epochs:
+        resize_problem = "reload_dataloaders_every_n_epochs rebuilds the loader with its configured batch size"
     change = plan(
         position,
         world=trainer.world_size,
         replicas=sampler.num_replicas,
         batch_size=batch_size,
-        accumulation=schedule.accumulate_grad_batches if schedule else int(trainer.accumulate_grad_batches),
+        accumulation=int(trainer.accumulate_grad_batches) if schedule is None else schedule.accumulate_grad_batches,
         policy=policy,
         schedule=schedule,
         engine=strategy.engine_name() if isinstance(strategy, StepsInsideTrainingStep) else None,
         microbatches=int(record.get("num_microbatches") or 1) if record.get("pipeline_parallel_size", 1) > 1 else 1,
-        whole_epochs=trainer.limit_train_batches == 1.0 and isinstance(trainer.limit_train_batches, float),
+        resize_problem=resize_problem,
+        keep_problem=keep_problem,
     )
+    wanted = position.get("epoch_samples") if policy == "keep_global_batch" else None
+    wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else None
     if change is None:
-        return None
-    apply(trainer, change, schedule, samplers)
-    return change.line()
+        # the same samples per batch; the epoch may still have been shortened by an earlier resume
+        return keep_epoch_end(trainer, samplers, wanted)
+    note = apply(trainer, change, schedule, samplers, wanted)
+    return change.line() + (f"; {note}" if note else "")

@@ -146,6 +146,13 @@ class AccumulationScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _refuse_engine_accumulation(trainer.strategy)  # also when added after set-up (configure_model)
+        if self.scale != 1 and not all((k * self.scale).denominator == 1 for k in self._ks()):
+            raise ValueError(
+                f"AccumulationScheduler: the checkpoint's run multiplied K by {self.scale} (a resume on another number"
+                f" of data-parallel replicas), and this schedule's K values {sorted(self._ks())} are not all whole"
+                " numbers under it; keep the schedule the run started with, or resume on the replicas it was written"
+                " for."
+            )
         trainer.accumulate_grad_batches = self.k
         strategy = trainer.strategy
         self._exact_windows = isinstance(strategy, ExactWindowMeans) and strategy.exact_window_means()
@@ -169,10 +176,11 @@ class AccumulationScheduler(Callback):
         b_simple = self.noise.value
         if b_simple is None or trainer.global_step - self.last_adapt_step < self.adapt_every or not self._micro_samples:
             return self.k
-        target = 2 ** round(math.log2(max(self.noise_fraction * b_simple / self._micro_samples, 1.0)))
-        low, high = int(self.min_k * self.scale), int(self.max_k * self.scale)
-        target = min(max(target, low, self.k // 2), high, self.k * 2)  # at most x2 per change
-        return int(target)
+        # a power of two in the first world's units (a resume on other replicas multiplies them by ``scale``)
+        unscaled = 2 ** round(math.log2(max(self.noise_fraction * b_simple / (self._micro_samples * self.scale), 1.0)))
+        k = Fraction(self.k) / self.scale
+        target = min(max(unscaled, self.min_k, k // 2), self.max_k, k * 2)  # at most x2 per change
+        return int(target * self.scale)
 
     @override
     def on_train_batch_start(
@@ -256,7 +264,10 @@ class AccumulationScheduler(Callback):
     def can_rescale_accumulation(self, factor: Fraction) -> bool:
         """Whether K now and every K the schedule may choose stay whole numbers when multiplied by ``factor``."""
         scale = self.scale * factor
-        return (self.k * factor).denominator == 1 and all((k * scale).denominator == 1 for k in self._ks())
+        # adaptive: the noise scale is measured from windows of at least two micro-batches
+        smallest = 2 if self.unit == "adaptive" else 1
+        whole = all((k * scale).denominator == 1 and k * scale >= smallest for k in self._ks())
+        return (self.k * factor).denominator == 1 and whole
 
     def rescale_accumulation(self, factor: Fraction) -> int:
         """A resume on another number of data-parallel replicas keeps the global batch: K and the schedule's
