@@ -44,7 +44,7 @@ def _job(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
     return {
         "ft": {"dirpath": str(tmp / "ckpt"), "every_n_train_steps": 2},
         "model": {"dropout": 0.0},
-        "data": {"data_path": _corpus(tmp), "batch_size": 4},
+        "data": {"data_path": _corpus(tmp), "batch_size": 4, **extra.pop("data", {})},
         "window_loss": True,
         "weights": str(tmp / f"{name}.pt"),
         "out": str(tmp / name),
@@ -146,8 +146,12 @@ def test_the_fp16_scalers_state_travels_to_another_world(tmp_path):
 
 def test_one_process_to_two_ranks_halves_the_per_rank_batch_where_the_accumulation_cannot_halve(tmp_path):
     """1 process (batch 4, K=1) to step 4, then 2 ranks to step 14 (across the epoch's end at step 13): K would be
-    1/2, so each rank takes batches of 2; every step is the one-process run's 4 samples."""
-    common = {"strategy": {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": 2}}}
+    1/2, so each rank takes batches of 2; every step is the one-process run's 4 samples. The loader has a worker
+    process (it draws its indices when its iterator is made, and the resize makes the iterator again)."""
+    common = {
+        "strategy": {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 1, "zero_stage": 2}},
+        "data": {"num_workers": 1},
+    }
     ref, runs = _chain(tmp_path, common, [(1, 4), (2, 14)])
     _compare(tmp_path, ref, runs, 1, 14)
     assert "world 1 -> 2 (dp 1 -> 2): per-rank batch 4 -> 2, global batch 4 kept, resuming at sample 16 of epoch 0" in (

@@ -49,7 +49,15 @@ def test_resumable_sampler_resumes_mid_epoch_on_the_same_and_another_world():
         s.set_epoch(5)
         s.resume_at(5, consumed)
         assert list(s) == per_rank[r][consumed_batches * batch :]
-        assert list(s) == per_rank[r]  # the resume point is used once; the next pass is the whole epoch
+        # every iterator made in that epoch resumes (a loader with workers draws its indices when its iterator is
+        # made, and the training iterator may be made again before the first batch); the next epoch starts at 0
+        assert list(s) == per_rank[r][consumed_batches * batch :]
+        s.set_epoch(6)
+        fresh = ResumableSampler(n, num_replicas=2, rank=r, seed=1)
+        fresh.set_epoch(6)
+        assert list(s) == list(fresh)
+        s.set_epoch(5)
+        assert list(s) == per_rank[r]  # the resume point is gone with its epoch
     # a different world: the three ranks together see exactly the samples not yet consumed
     order = full[0].global_order(5)
     seen = []

@@ -58,10 +58,14 @@ class ResumableSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume = None  # the resumed epoch is over
 
-    def resume_at(self, epoch: int, consumed: int) -> None:
-        """The next iteration over ``epoch`` skips the first ``consumed`` positions of its global order."""
-        self._resume = (epoch, consumed)
+    def resume_at(self, epoch: int, consumed: int | None) -> None:
+        """Iterations over ``epoch`` skip the first ``consumed`` positions of its global order (every iterator made
+        until the epoch changes: a loader with workers draws its indices when its iterator is made, and the
+        training iterator may be made again before the first batch); ``None``: start epochs at 0."""
+        self._resume = (epoch, consumed) if consumed is not None else None
 
     def global_order(self, epoch: int) -> list[int]:
         """The epoch's order over all ranks, padded or cut to a multiple of ``num_replicas``."""
@@ -83,7 +87,6 @@ class ResumableSampler(Sampler[int]):
         start = 0
         if self._resume is not None and self._resume[0] == self.epoch:
             start = self._resume[1]
-            self._resume = None
         # positions are dealt round-robin from `start`; with start a multiple of the world (a whole number of
         # global batches) rank r gets exactly the positions DistributedSampler would have given it
         return iter(order[start + self.rank :: self.num_replicas])

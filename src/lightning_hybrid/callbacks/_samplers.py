@@ -28,8 +28,10 @@ class SamplerOwner:
 
     def __init__(self) -> None:
         self.samplers: list[tuple[ResumableSampler, int]] = []
-        self.configured_k = 1
-        self.epoch_samples: int | None = None  # global samples per epoch of the world the run started on
+        self.configured_k: int | None = None
+        # global samples per epoch of the world the run started on, and the dataset length it was measured on
+        self.epoch_samples: int | None = None
+        self.epoch_dataset: int | None = None
         self.batch_samplers: list[BatchSampler] = []
         self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
         self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
@@ -42,7 +44,8 @@ class SamplerOwner:
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
         self.samplers, self.batch_samplers = [], []
-        self.configured_k = int(trainer.accumulate_grad_batches)  # before a resume on another world rescales it
+        if self.configured_k is None:  # once: a resume on another world rescales the Trainer's K after this
+            self.configured_k = int(trainer.accumulate_grad_batches)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         loaders = train_dataloaders(trainer)
         for loader in loaders:
@@ -66,11 +69,17 @@ class SamplerOwner:
             if self.resume_at is not None:
                 sampler.resume_at(self.resume_at["epoch"], self.resume_at["consumed"])
                 self._anchor, self._anchor_batch = (self.resume_at["epoch"], self.resume_at["consumed"]), None
+            else:
+                sampler.resume_at(trainer.current_epoch, None)  # a sampler kept from an earlier fit starts afresh
             self.samplers.append((sampler, batch_sampler.batch_size))
             self.batch_samplers.append(batch_sampler)
         resumed = self.resume_at or {}
-        saved = resumed.get("epoch_samples")
-        self.epoch_samples = saved if isinstance(saved, int) and saved > 0 else self.epoch_samples_now(trainer)
+        saved, dataset = resumed.get("epoch_samples"), self.samplers[0][0].n if self.samplers else None
+        if isinstance(saved, int) and saved > 0 and resumed.get("epoch_dataset") == dataset:
+            self.epoch_samples = saved
+        else:  # a fresh run, another dataset, or a limited epoch: measured on this world (again after a resize)
+            self.epoch_samples = self.epoch_samples_now(trainer)
+        self.epoch_dataset = dataset
         self.resume_at = None
         if self.samplers and len(self.samplers) == len(loaders):
             # Lightning warns that a mid-epoch resume without a stateful loader is unreliable: not with ours
@@ -96,7 +105,12 @@ class SamplerOwner:
             "batch_size": batch_size,
             "accumulation": int(trainer.accumulate_grad_batches),
             "configured": self.configured_k,
-            "epoch_samples": self.epoch_samples,
+            # where an epoch ends, when the loader alone decides it (no limit_train_batches)
+            **(
+                {"epoch_samples": self.epoch_samples, "epoch_dataset": self.epoch_dataset}
+                if self.epoch_samples is not None and self.epoch_dataset is not None and _unlimited(trainer)
+                else {}
+            ),
             "world": trainer.world_size,
         }
 
@@ -125,6 +139,11 @@ class SamplerOwner:
         for batch_sampler in self.batch_samplers:
             batch_sampler.batch_size = batch_size
         self.samplers = [(sampler, batch_size) for sampler, _ in self.samplers]
+
+
+def _unlimited(trainer: pl.Trainer) -> bool:
+    limit = trainer.limit_train_batches
+    return isinstance(limit, float) and limit == 1.0
 
 
 def _resumable(source: Any, seed: int) -> ResumableSampler | None:

@@ -192,7 +192,7 @@ def plan(
         configured = position.get("configured")
         if policy != "keep_global_batch" or schedule is not None or accumulation == old.accumulation:
             return None
-        if configured != accumulation:
+        if configured is not None and configured != accumulation:
             return None  # the configuration's K changed since: the user's choice
         # the configuration is the one that was rescaled by an earlier resume on another world: a restart on this
         # world must not silently undo the rescale
@@ -290,14 +290,21 @@ def keep_epoch_end(trainer: pl.Trainer, samplers: SamplerOwner, epoch_samples: i
     if epoch_samples is None or natural is None or epoch_samples == natural:
         return None
     per_batch = samplers.samples_per_batch()
-    if epoch_samples % per_batch or epoch_samples > natural:
+    if epoch_samples > natural:
+        return (
+            f"each epoch of the uninterrupted run took {epoch_samples} samples, more than this world's loader holds"
+            f" ({natural}): epochs end earlier here"
+        )
+    if epoch_samples % per_batch:
         return (
             f"each epoch of the uninterrupted run took {epoch_samples} samples, not a whole number of this world's"
             f" batches of {per_batch}: epochs take {natural} here, so the last window of each differs"
         )
     limit_training_batches(trainer, epoch_samples // per_batch)
     samplers.epoch_samples = epoch_samples
-    return None
+    return (
+        f"each epoch ends at sample {epoch_samples} as in the uninterrupted run ({epoch_samples // per_batch} batches)"
+    )
 
 
 def counterpart_rank(rank: int, layout: dict[str, Any] | None, saved: dict[str, Any] | None) -> int | None:
@@ -334,6 +341,10 @@ def adapt_to_world(
             f"limit_train_batches={limit!r} counts per-rank batches, so the epoch would end at another sample;"
             " remove it, or set it for this world"
         )
+    elif trainer.reload_dataloaders_every_n_epochs:
+        keep_problem = (
+            "reload_dataloaders_every_n_epochs rebuilds the loader with its configured batch size and length each epoch"
+        )
     elif any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
         keep_problem = (
             "Lightning's GradientAccumulationScheduler sets K from its own schedule each epoch; use"
@@ -357,10 +368,15 @@ def adapt_to_world(
         resize_problem=resize_problem,
         keep_problem=keep_problem,
     )
-    wanted = position.get("epoch_samples") if policy == "keep_global_batch" else None
+    # where the uninterrupted run's epochs end, when it was measured on this dataset without a limit
+    same_data = position.get("epoch_dataset") == samplers.epoch_dataset and samplers.epoch_dataset is not None
+    wanted = position.get("epoch_samples") if policy == "keep_global_batch" and same_data else None
     wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else None
     if change is None:
         # the same samples per batch; the epoch may still have been shortened by an earlier resume
-        return keep_epoch_end(trainer, samplers, wanted)
+        note = keep_epoch_end(trainer, samplers, wanted) if keep_problem is None else None
+        return f"world {trainer.world_size}: {note}" if note else None
     note = apply(trainer, change, schedule, samplers, wanted)
+    if wanted is None:  # measured before a resize: measure this world's again
+        samplers.epoch_samples = samplers.epoch_samples_now(trainer)
     return change.line() + (f"; {note}" if note else "")
