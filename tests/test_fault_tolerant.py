@@ -309,6 +309,28 @@ def test_sigterm_during_validation_saves_at_the_next_validation_batch_and_resume
         assert relaunch.rank(0)["steps"][str(step)]["loss"] == ref.rank(0)["steps"][str(step)]["loss"]
 
 
+def test_a_preemption_during_a_validation_inside_an_accumulation_window_takes_the_window_again(tmp_path):
+    """K=3 and validation every 4 batches: the validation after batch 3 falls inside step 2's window. A preemption
+    there saves a checkpoint that holds none of that window's gradient; the resume takes the window again from
+    its start (batch 3), so the run ends with the uninterrupted weights (going on mid-window would make step 2
+    miss batch 3)."""
+    trainer = {**VALIDATING, "num_sanity_val_steps": 0, "accumulate_grad_batches": 3}
+    common = {"trainer": trainer, "model": {"dropout": 0.0}, "steps": 4, "ft": {"every_n_train_steps": 100}}
+    ref_cfg = _job(tmp_path, "window-ref", **common)
+    launch("fault_tolerant.py", ref_cfg, nproc=2)
+    inject = {"signal_in_validation": {"batch": 1, "step": 1, "rank": 1}}
+    cfg = _job(tmp_path, "window", inject=inject, **common)
+    result = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False)
+    assert result.rank(0).get("exit_code") == PREEMPTION_EXIT_CODE, result.rank(0)
+    relaunch = launch("fault_tolerant.py", {**cfg, "inject": {}}, nproc=2)
+    assert relaunch.rank(0)["resumed_from"].endswith("step-000000001/checkpoint.pt")
+    assert _max_diff(Path(ref_cfg["weights"]), Path(cfg["weights"])) == 0.0
+    assert (
+        "the checkpoint was written at sample 32 of epoch 0, inside an accumulation window whose gradient it does"
+        " not hold: resuming at the window's start, sample 24"
+    ) in relaunch.output
+
+
 def test_a_preemption_whose_save_fails_exits_74_and_is_not_requeued(tmp_path):
     env, calls = _fake_scontrol(tmp_path)
     inject = {"signal": {"step": 5, "rank": 1}, "fail_write": {"step": 6, "rank": 0}}

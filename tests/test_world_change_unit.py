@@ -96,7 +96,7 @@ def test_a_restart_on_the_same_world_keeps_the_accumulation_an_earlier_resume_re
 def test_per_rank_state_is_restored_from_the_rank_that_had_the_same_role():
     """pp2 x dp2 (ranks: stage x 2 + replica) -> pp2 x dp1: the second stage's rank 1 restores old rank 2 (stage
     1, replica 0), not old rank 1 (stage 0, replica 1); back to dp2, replica 1 had no role in the dp1 world."""
-    from lightning_hybrid.callbacks._world_change import counterpart_rank
+    from lightning_hybrid.callbacks._resume import counterpart_rank
 
     pp2dp2 = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 1}
     pp2dp1 = {"pipeline_parallel_size": 2, "data_parallel_size": 1, "tensor_parallel_size": 1}

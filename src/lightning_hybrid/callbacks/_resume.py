@@ -4,7 +4,8 @@
 ``seed``, ``epoch`` and world (so swapping one for the other changes nothing), and can start an epoch after
 the first ``consumed`` positions of the epoch's global order. The position is counted in the global order,
 not per rank, so a run resumed on a different number of data-parallel ranks continues with exactly the
-samples not yet seen.
+samples not yet seen. Per-rank state (RNG streams) is restored from the rank that had the same role
+(``counterpart_rank``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["ResumableSampler", "capture_rng", "cuda_state_for", "restore_rng"]
+__all__ = ["ResumableSampler", "capture_rng", "counterpart_rank", "cuda_state_for", "restore_rng"]
 
 
 class ResumableSampler(Sampler[int]):
@@ -151,3 +152,19 @@ def cuda_state_for(saved: Any, device: int) -> torch.Tensor | None:
 
 def _to_lists(value: Any) -> Any:
     return [_to_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def counterpart_rank(rank: int, layout: dict[str, Any] | None, saved: dict[str, Any] | None) -> int | None:
+    """The rank of the checkpoint's world that had this rank's role (pipeline stage, data-parallel replica,
+    tensor-parallel rank: ranks are numbered row-major by both engines), whose per-rank state (RNG streams) this
+    rank restores; None when the checkpoint's world had no such role (more replicas now). Without both layout
+    records (Lightning's strategies: every rank is a replica) the role is the rank itself."""
+    if not layout or not saved:
+        return rank
+    sizes = [(int(r.get("pipeline_parallel_size", 1)), int(r.get("data_parallel_size", 1)),
+              int(r.get("tensor_parallel_size", 1))) for r in (layout, saved)]  # fmt: skip
+    (_, dp, tp), (old_pp, old_dp, old_tp) = sizes
+    stage, replica, t = rank // (dp * tp), (rank // tp) % dp, rank % tp
+    if stage >= old_pp or replica >= old_dp or t >= old_tp:
+        return None
+    return (stage * old_dp + replica) * old_tp + t

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_hybrid._agree import agree, agreed_problem
 from lightning_hybrid._protocols import ShardedCheckpointing
-from lightning_hybrid.callbacks._world_change import counterpart_rank
+from lightning_hybrid.callbacks._resume import counterpart_rank
 from lightning_hybrid.callbacks._writer import load_target
 from lightning_hybrid.checkpoint._format import ManifestError, rank_file, read_manifest, verify
 from lightning_hybrid.checkpoint._safe_load import load_payload

@@ -38,7 +38,6 @@ __all__ = [
     "WorldPlan",
     "adapt_to_world",
     "apply",
-    "counterpart_rank",
     "plan",
 ]
 
@@ -60,6 +59,10 @@ class RescalesAccumulation(Protocol):
 
     def rescale_accumulation(self, factor: Fraction) -> int:
         """Multiply K (and the rest of the schedule) by ``factor``; returns the K in force now."""
+        ...
+
+    def rewind_samples(self, samples: int) -> None:
+        """The resume takes ``samples`` (global) again: its count of samples seen goes back by as many."""
         ...
 
 
@@ -112,7 +115,7 @@ class WorldPlan:
 
     @property
     def same_batches(self) -> bool:
-        """Each batch of the window brings in what it did: Lightning's restored counter is right as it is."""
+        """Each batch of the window brings in what it did: Lightning's restored counter is in this world's batches."""
         return self.new.per_batch == self.old.per_batch
 
     def resume_sample(self) -> int:
@@ -120,8 +123,6 @@ class WorldPlan:
         world (a checkpoint written mid-window, by a preemption during validation or at a run's end), the start
         of that window: its gradient was never applied, so its samples are taken again in one whole window, on
         every replica alike."""
-        if self.same_batches:
-            return self.consumed
         window = self.new.per_batch * self.new.accumulation
         return self.consumed - self.consumed % window
 
@@ -270,16 +271,41 @@ def apply(
         samplers.resize(change.new.batch_size)
         recount_training_batches(trainer)  # restarts the iterator
     note = keep_epoch_end(trainer, samplers, epoch_samples) if change.policy == "keep_global_batch" else None
-    if change.same_batches or change.epoch != trainer.current_epoch:
-        return note  # Lightning's counter is right; or the next epoch starts from its first batch
+    if change.epoch != trainer.current_epoch:
+        return note  # the next epoch starts from its first batch
     if epoch_finished_at_restore(trainer):  # written at the epoch's last batch: it ends in this world's count too
-        if trainer.num_training_batches != float("inf"):
+        if trainer.num_training_batches != float("inf") and not change.same_batches:
             move_batch_counter(trainer, int(trainer.num_training_batches))
         return note
     if change.resume_sample() != change.consumed:
         samplers.restart_at(trainer, change.epoch, change.resume_sample())
-    move_batch_counter(trainer, change.batches())
+        if schedule is not None:
+            schedule.rewind_samples(change.consumed - change.resume_sample())
+    if change.resume_sample() != change.consumed or not change.same_batches:
+        move_batch_counter(trainer, change.batches())
     return note
+
+
+def restart_window(trainer: pl.Trainer, samplers: SamplerOwner, position: dict[str, Any], schedule: Any) -> str | None:
+    """A resume on the same samples per batch from a checkpoint written inside an accumulation window (a
+    preemption during a validation that falls mid-window, the save at a run's end): the checkpoint holds none of
+    that window's gradient, so the window is taken again from its start (Lightning would go on mid-window, and the
+    step would miss the window's first batches). The line that says so, or None."""
+    epoch, consumed = int(position.get("epoch", -1)), int(position.get("consumed", 0))
+    if epoch != trainer.current_epoch or epoch_finished_at_restore(trainer):
+        return None
+    per_batch = samplers.samples_per_batch()
+    start = consumed - consumed % (per_batch * int(trainer.accumulate_grad_batches))
+    if start == consumed:
+        return None
+    samplers.restart_at(trainer, epoch, start)
+    move_batch_counter(trainer, start // per_batch)
+    if schedule is not None:
+        schedule.rewind_samples(consumed - start)
+    return (
+        f"the checkpoint was written at sample {consumed} of epoch {epoch}, inside an accumulation window whose"
+        f" gradient it does not hold: resuming at the window's start, sample {start}"
+    )
 
 
 def keep_epoch_end(trainer: pl.Trainer, samplers: SamplerOwner, epoch_samples: int | None) -> str | None:
@@ -305,22 +331,6 @@ def keep_epoch_end(trainer: pl.Trainer, samplers: SamplerOwner, epoch_samples: i
     return (
         f"each epoch ends at sample {epoch_samples} as in the uninterrupted run ({epoch_samples // per_batch} batches)"
     )
-
-
-def counterpart_rank(rank: int, layout: dict[str, Any] | None, saved: dict[str, Any] | None) -> int | None:
-    """The rank of the checkpoint's world that had this rank's role (pipeline stage, data-parallel replica,
-    tensor-parallel rank: ranks are numbered row-major by both engines), whose per-rank state (RNG streams) this
-    rank restores; None when the checkpoint's world had no such role (more replicas now). Without both layout
-    records (Lightning's strategies: every rank is a replica) the role is the rank itself."""
-    if not layout or not saved:
-        return rank
-    sizes = [(int(r.get("pipeline_parallel_size", 1)), int(r.get("data_parallel_size", 1)),
-              int(r.get("tensor_parallel_size", 1))) for r in (layout, saved)]  # fmt: skip
-    (_, dp, tp), (old_pp, old_dp, old_tp) = sizes
-    stage, replica, t = rank // (dp * tp), (rank // tp) % dp, rank % tp
-    if stage >= old_pp or replica >= old_dp or t >= old_tp:
-        return None
-    return (stage * old_dp + replica) * old_tp + t
 
 
 def adapt_to_world(
@@ -374,8 +384,10 @@ def adapt_to_world(
     wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else None
     if change is None:
         # the same samples per batch; the epoch may still have been shortened by an earlier resume
-        note = keep_epoch_end(trainer, samplers, wanted) if keep_problem is None else None
-        return f"world {trainer.world_size}: {note}" if note else None
+        notes = [keep_epoch_end(trainer, samplers, wanted) if keep_problem is None else None]
+        notes.append(restart_window(trainer, samplers, position, schedule))
+        text = "; ".join(note for note in notes if note)
+        return f"world {trainer.world_size}: {text}" if text else None
     note = apply(trainer, change, schedule, samplers, wanted)
     if wanted is None:  # measured before a resize: measure this world's again
         samplers.epoch_samples = samplers.epoch_samples_now(trainer)

@@ -278,6 +278,11 @@ class AccumulationScheduler(Callback):
         self.k = int(self.k * factor)
         return self.k
 
+    def rewind_samples(self, samples: int) -> None:
+        """A resume takes ``samples`` (global) again, from the start of a window the checkpoint was written
+        inside: the samples seen go back by as many, so a schedule keyed by samples continues where it was."""
+        self.samples = max(0, self.samples - samples)
+
     # -------------------------------------------------------------------------------------- state
 
     @override
