@@ -5,10 +5,11 @@ Each is used exactly as Lightning's own code uses it; a rename in a future relea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Union
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.data import sized_len
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -95,33 +96,25 @@ def move_batch_counter(trainer: pl.Trainer, batches: int) -> None:
 
 
 def limit_training_batches(trainer: pl.Trainer, batches: int) -> None:
-    """End every epoch of this fit after ``batches`` training batches (lightning 2.6.6: the combined loader's
-    ``limits`` and ``FitLoop.max_batches``, as ``limit_train_batches`` sets them in ``setup_data``). Restarts the
-    training iterator."""
-    loop = trainer.fit_loop
-    combined = loop._combined_loader
-    if combined is None:
-        return
-    combined.limits = [batches] * len(combined.flattened)
-    restart_train_iterator(trainer)
-    loop.max_batches = batches
-    interval = trainer.val_check_interval
-    if isinstance(interval, float) and isinstance(trainer.val_check_batch, int):
-        trainer.val_check_batch = max(1, int(batches * interval))
+    """End every epoch of this fit after ``batches`` training batches. Restarts the training iterator."""
+    _set_training_batches(trainer, lambda loader: batches)
 
 
 def recount_training_batches(trainer: pl.Trainer) -> None:
-    """Recount the training batches per epoch after a loader's batch size changed (lightning 2.6.6: the combined
-    loader's per-loader ``limits`` and ``FitLoop.max_batches`` are set once in ``setup_data``; only without a
-    ``limit_train_batches``), and the validation interval that is a fraction of the epoch. Restarts the training
-    iterator."""
-    from lightning.pytorch.utilities.data import sized_len
+    """Recount the training batches per epoch after a loader's batch size changed (only without a
+    ``limit_train_batches``). Restarts the training iterator."""
+    _set_training_batches(trainer, lambda loader: sized_len(loader) or float("inf"))
 
+
+def _set_training_batches(trainer: pl.Trainer, limit: Callable[[Any], Union[int, float]]) -> None:
+    """Each training loader's batches per epoch, as ``limit_train_batches`` sets them in ``setup_data`` (lightning
+    2.6.6: the combined loader's per-loader ``limits`` and ``FitLoop.max_batches``, set once there), and the
+    validation interval that is a fraction of the epoch."""
     loop = trainer.fit_loop
     combined = loop._combined_loader
     if combined is None:
         return
-    combined.limits = [sized_len(loader) or float("inf") for loader in combined.flattened]
+    combined.limits = [limit(loader) for loader in combined.flattened]
     restart_train_iterator(trainer)  # the combined loader's length is its current iterator's, made with the limits
     batches = sized_len(combined)
     loop.max_batches = batches if batches is not None else float("inf")

@@ -27,12 +27,12 @@ class SamplerOwner:
     """Swaps the training samplers for resumable ones and tracks the data position (epoch, consumed)."""
 
     def __init__(self) -> None:
-        self.samplers: list[tuple[ResumableSampler, int]] = []
+        # each owned loader's sampler and batch sampler (whose batch size a resume on another world may change)
+        self.samplers: list[tuple[ResumableSampler, BatchSampler]] = []
         self.configured_k: int | None = None
         # global samples per epoch of the world the run started on, and the dataset length it was measured on
         self.epoch_samples: int | None = None
         self.epoch_dataset: int | None = None
-        self.batch_samplers: list[BatchSampler] = []
         self.position: dict[str, int] = {"epoch": 0, "consumed": 0}
         self.resume_at: dict[str, int] | None = None  # where the resumed epoch continues
         # (epoch, global position) the resumed epoch continued at, and Lightning's batch index of its first
@@ -43,7 +43,7 @@ class SamplerOwner:
 
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
-        self.samplers, self.batch_samplers = [], []
+        self.samplers = []
         if self.configured_k is None:  # once: a resume on another world rescales the Trainer's K after this
             self.configured_k = int(trainer.accumulate_grad_batches)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -71,8 +71,7 @@ class SamplerOwner:
                 self._anchor, self._anchor_batch = (self.resume_at["epoch"], self.resume_at["consumed"]), None
             else:
                 sampler.resume_at(trainer.current_epoch, None)  # a sampler kept from an earlier fit starts afresh
-            self.samplers.append((sampler, batch_sampler.batch_size))
-            self.batch_samplers.append(batch_sampler)
+            self.samplers.append((sampler, batch_sampler))
         resumed = self.resume_at or {}
         saved, dataset = resumed.get("epoch_samples"), self.samplers[0][0].n if self.samplers else None
         if isinstance(saved, int) and saved > 0 and resumed.get("epoch_dataset") == dataset:
@@ -91,7 +90,7 @@ class SamplerOwner:
     def track(self, trainer: pl.Trainer, batch_idx: int) -> None:
         if not self.samplers:
             return
-        sampler, batch_size = self.samplers[0]
+        sampler, batch_size = self.first()
         consumed = (batch_idx + 1) * batch_size * sampler.num_replicas
         if self._anchor is not None and self._anchor[0] == trainer.current_epoch:
             if self._anchor_batch is None:
@@ -114,9 +113,14 @@ class SamplerOwner:
             "world": trainer.world_size,
         }
 
+    def first(self) -> tuple[ResumableSampler, int]:
+        """The first owned loader's sampler and per-rank batch size."""
+        sampler, batch_sampler = self.samplers[0]
+        return sampler, batch_sampler.batch_size
+
     def samples_per_batch(self) -> int:
         """Global samples of one training batch of the first owned loader (replicas x per-rank batch)."""
-        sampler, batch_size = self.samplers[0]
+        sampler, batch_size = self.first()
         return sampler.num_replicas * batch_size
 
     def epoch_samples_now(self, trainer: pl.Trainer) -> int | None:
@@ -136,9 +140,8 @@ class SamplerOwner:
     def resize(self, batch_size: int) -> None:
         """Give every owned loader another per-rank batch size (a resume that keeps the global batch on another
         number of replicas); the caller recounts the epoch's batches and restarts the iterator."""
-        for batch_sampler in self.batch_samplers:
+        for _, batch_sampler in self.samplers:
             batch_sampler.batch_size = batch_size
-        self.samplers = [(sampler, batch_size) for sampler, _ in self.samplers]
 
 
 def _unlimited(trainer: pl.Trainer) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, Protocol, Union, runtime_checkable
+from typing import Any, Literal, Protocol, Union, get_args, runtime_checkable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 OnWorldSizeChange = Literal["keep_global_batch", "keep_per_rank_batch", "refuse"]
-WORLD_SIZE_CHANGES = ("keep_global_batch", "keep_per_rank_batch", "refuse")
+WORLD_SIZE_CHANGES: tuple[str, ...] = get_args(OnWorldSizeChange)
 
 
 @runtime_checkable
@@ -278,12 +278,21 @@ def apply(
             move_batch_counter(trainer, int(trainer.num_training_batches))
         return note
     if change.resume_sample() != change.consumed:
-        samplers.restart_at(trainer, change.epoch, change.resume_sample())
-        if schedule is not None:
-            schedule.rewind_samples(change.consumed - change.resume_sample())
-    if change.resume_sample() != change.consumed or not change.same_batches:
+        _take_window_again(trainer, samplers, schedule, change.epoch, change.consumed, change.resume_sample())
+    elif not change.same_batches:
         move_batch_counter(trainer, change.batches())
     return note
+
+
+def _take_window_again(
+    trainer: pl.Trainer, samplers: SamplerOwner, schedule: Any, epoch: int, consumed: int, start: int
+) -> None:
+    """Continue ``epoch`` at ``start``, the start of the window the checkpoint (at ``consumed``) was written
+    inside: the sampler, Lightning's batch counter and a schedule's count of samples seen go back there."""
+    samplers.restart_at(trainer, epoch, start)
+    move_batch_counter(trainer, start // samplers.samples_per_batch())
+    if schedule is not None:
+        schedule.rewind_samples(consumed - start)
 
 
 def restart_window(trainer: pl.Trainer, samplers: SamplerOwner, position: dict[str, Any], schedule: Any) -> str | None:
@@ -298,10 +307,7 @@ def restart_window(trainer: pl.Trainer, samplers: SamplerOwner, position: dict[s
     start = consumed - consumed % (per_batch * int(trainer.accumulate_grad_batches))
     if start == consumed:
         return None
-    samplers.restart_at(trainer, epoch, start)
-    move_batch_counter(trainer, start // per_batch)
-    if schedule is not None:
-        schedule.rewind_samples(consumed - start)
+    _take_window_again(trainer, samplers, schedule, epoch, consumed, start)
     return (
         f"the checkpoint was written at sample {consumed} of epoch {epoch}, inside an accumulation window whose"
         f" gradient it does not hold: resuming at the window's start, sample {start}"
@@ -340,7 +346,7 @@ def adapt_to_world(
     says what changed, or None when nothing did. Raises, on every rank alike, when the policy refuses."""
     if not samplers.samplers or position is None:
         return None  # no owned sampler: the data position is not ours to continue
-    sampler, batch_size = samplers.samplers[0]
+    sampler, batch_size = samplers.first()
     schedule = schedule_of(trainer)
     strategy = trainer.strategy
     record = strategy.checkpoint_layout() if isinstance(strategy, ShardedCheckpointing) else {}
@@ -361,7 +367,7 @@ def adapt_to_world(
             " lightning_hybrid.callbacks.AccumulationScheduler, whose schedule is rescaled"
         )
     resize_problem = None
-    if len(samplers.batch_samplers) != 1 or len(samplers.samplers) != len(train_dataloaders(trainer)):
+    if len(samplers.samplers) != 1 or len(train_dataloaders(trainer)) != 1:
         resize_problem = "there is more than one training loader (or one whose sampler is not resumable)"
     elif trainer.reload_dataloaders_every_n_epochs:
         resize_problem = "reload_dataloaders_every_n_epochs rebuilds the loader with its configured batch size"
