@@ -12,7 +12,18 @@ BASE = {"model": {"optimizer": "sgd", "lr": 0.5, "n_layer": 4}, "data": {"global
 
 
 def _run_layout(
-    tmp_path, kwargs, *, nproc, trainer=None, nnodes=1, accumulate=1, clip=None, meta=False, model=None, atol=1e-4
+    tmp_path,
+    kwargs,
+    *,
+    nproc,
+    trainer=None,
+    nnodes=1,
+    accumulate=1,
+    clip=None,
+    meta=False,
+    model=None,
+    atol=1e-4,
+    reentrant_head=False,
 ):
     base = {**BASE, "model": {**BASE["model"], **(model or {})}}
     cfg = {
@@ -26,6 +37,7 @@ def _run_layout(
         "validate": nnodes > 1,
         "save": str(tmp_path / "ckpt"),
         "weights": str(tmp_path / "weights.pt"),
+        "reentrant_head": reentrant_head,
     }
     job = launch("train_gpt.py", cfg, nproc=nproc, nnodes=nnodes)
     ref_losses, ref_weights = reference_run(base, steps=STEPS, accumulate=accumulate, clip=clip)
@@ -94,6 +106,81 @@ def test_pp2_dp2_every_zero_stage_matches_single_process(tmp_path, zero_stage, z
         {"num_replicas": 2, "rank": 0},
         {"num_replicas": 2, "rank": 1},
     ]
+
+
+@pytest.mark.multiproc
+def test_reductions_started_during_backward_match_single_process_with_accumulation(tmp_path):
+    """ZeRO-0/1/2 start each bucket's reduction as backward completes it (asynchronously, at most one in flight
+    here): exact, with 4 micro-batches and clipping. ZeRO-0/1 reduce in the window's last backward only,
+    ZeRO-2 in every backward: with the same buckets ZeRO-2 starts 4 times as many reductions as ZeRO-1."""
+    zero = {"bucket_size_mb": 0.002, "max_buckets_in_flight": 1}
+    trainer = {"accumulate_grad_batches": 4, "gradient_clip_val": 0.5}
+    started = {}
+    for stage in (0, 1, 2):
+        kwargs = {"data_parallel_size": 2, "zero_stage": stage, "zero": zero}
+        job = _run_layout(tmp_path / f"zero{stage}", kwargs, nproc=2, trainer=trainer, accumulate=4, clip=0.5)
+        started[stage] = job.rank(0)["reductions"]
+        assert started[stage] == job.rank(1)["reductions"]
+        # most buckets start while backward still runs (the first layers' buckets complete only at its end)
+        assert started[stage]["during_backward"] > 2 * started[stage]["at_end"], started
+    total = {stage: sum(counts.values()) for stage, counts in started.items()}
+    assert total[2] == 4 * total[1] and total[0] > 0, started
+
+
+@pytest.mark.multiproc
+def test_parameters_frozen_and_unfrozen_mid_training_under_overlapped_reductions(tmp_path):
+    """A block freezes after step 2 (weight decay: a zero gradient would still move it) while a block
+    frozen until then starts training (its hooks are added only after that step). ZeRO-0, 1 and 2 (three
+    implementations of the reduction) agree on the final weights, and the frozen block does not move."""
+    weights = {}
+    for stage in (0, 1, 2):
+        out = tmp_path / f"zero{stage}"
+        cfg = {
+            **BASE,
+            "model": {**BASE["model"], "weight_decay": 0.1},
+            "steps": 5,
+            "strategy": {
+                "name": "hybrid_class",
+                # buckets of a few parameters: the unfrozen block's own buckets come before the rest is done
+                "kwargs": {"data_parallel_size": 2, "zero_stage": stage, "zero": {"bucket_size_mb": 0.001}},
+            },
+            "devices": 2,
+            "trainer": {"accumulate_grad_batches": 2},
+            "refreeze": {"step": 2, "freeze": 1, "unfreeze": 2},
+            "save": str(out / "ckpt"),
+            "weights": str(out / "weights.pt"),
+        }
+        job = launch("train_gpt.py", cfg, nproc=2, timeout=120)
+        assert [job.rank(r)["moved_after_freeze"] for r in (0, 1)] == [0.0, 0.0]
+        weights[stage] = torch.load(out / "weights.pt")
+    for stage in (1, 2):
+        for name, value in weights[0].items():
+            torch.testing.assert_close(weights[stage][name], value, rtol=0, atol=1e-5, msg=f"ZeRO-{stage} {name}")
+    start = reference_run({**BASE}, steps=0)[1]
+    moved = (weights[0]["layers.2.ln_1.weight"] - start["layers.2.ln_1.weight"]).abs().max()
+    assert moved > 1e-4  # the block unfrozen at step 2 trained afterwards
+
+
+@pytest.mark.multiproc
+def test_a_gradient_that_grows_after_its_reduction_started_is_refused_on_every_rank(tmp_path):
+    """A parameter that receives its gradient in two parts in one backward (the tied embedding: once through
+    the head, recomputed by a reentrant checkpoint's nested backward, once through the embedding) would have
+    its second part lost under ZeRO-0 once its bucket is reduced first (backward's order, learnt in step 1):
+    every rank refuses, naming it; with overlap_reductions=False the same model is exact."""
+    kwargs = {"data_parallel_size": 2, "zero_stage": 0, "zero": {"bucket_size_mb": 0.0001}}
+    cfg = {
+        **BASE,
+        "model": {**BASE["model"], "tie_embeddings": True},
+        "strategy": {"name": "hybrid_class", "kwargs": kwargs},
+        "devices": 2,
+        "reentrant_head": True,
+    }
+    job = launch("train_gpt.py", cfg, nproc=2, expect_success=False)
+    for r in range(2):
+        error = job.rank(r).get("error", "")
+        assert "layers.0.token.weight" in error and "overlap_reductions=False" in error, job.output[-3000:]
+    exact = {**kwargs, "zero": {"bucket_size_mb": 0.0001, "overlap_reductions": False}}
+    _run_layout(tmp_path, exact, nproc=2, model={"tie_embeddings": True}, reentrant_head=True)
 
 
 @pytest.mark.multiproc

@@ -3,11 +3,12 @@ every bucket exactly once per backward, in one order (the reductions of differen
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
-from lightning_hybrid.strategies.zero.flat_gradients import BucketQueue, _Bucket
+from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue
 
 pytestmark = pytest.mark.unit
 
@@ -17,23 +18,25 @@ class _Owner:
 
     def __init__(self, log: list[int], ids: dict[int, int]) -> None:
         self.log, self.ids = log, ids
+        self.finished: list[int] = []
         self.hooked = {0, 1, 2, 3, 4, 5}
 
-    def complete(self, bucket: _Bucket) -> bool:
+    def complete(self, bucket: Bucket) -> bool:
         return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
 
-    def holds(self, bucket: _Bucket) -> bool:
+    def holds(self, bucket: Bucket) -> bool:
         return bool(bucket.arrived)
 
-    def reduce_bucket(self, bucket: _Bucket) -> None:
+    def start_reduction(self, bucket: Bucket):
         self.log.append(self.ids[id(bucket)])
         bucket.arrived = set()
+        return lambda: self.finished.append(self.ids[id(bucket)])
 
 
 def _rank(arrivals: list[list[int]], *, launch_in_backward: bool = True) -> list[int]:
     """One rank: three buckets of two parameters each; ``arrivals``: per backward, the parameters that arrive."""
     log: list[int] = []
-    buckets = [_Bucket(0, 2, [0, 1], []), _Bucket(2, 4, [2, 3], []), _Bucket(4, 6, [4, 5], [])]
+    buckets = [Bucket(0, 2, [0, 1], []), Bucket(2, 4, [2, 3], []), Bucket(4, 6, [4, 5], [])]
     queue = BucketQueue(launch_in_backward=launch_in_backward)
     owner = _Owner(log, {id(b): i for i, b in enumerate(buckets)})
     queue.add(owner, buckets)  # type: ignore[arg-type]
@@ -61,7 +64,7 @@ def test_every_rank_reduces_the_same_buckets_in_the_same_order_whatever_arrives(
 
 def test_a_bucket_waits_for_the_ones_before_it_in_the_order():
     log: list[int] = []
-    buckets = [_Bucket(0, 2, [0, 1], []), _Bucket(2, 4, [2, 3], [])]
+    buckets = [Bucket(0, 2, [0, 1], []), Bucket(2, 4, [2, 3], [])]
     queue = BucketQueue()
     queue.add(_Owner(log, {id(b): i for i, b in enumerate(buckets)}), buckets)  # type: ignore[arg-type]
     buckets[0].arrived |= {0, 1}
@@ -71,3 +74,54 @@ def test_a_bucket_waits_for_the_ones_before_it_in_the_order():
     queue.arrived()
     assert log == [1, 0]
     assert queue.signature != 0
+
+
+def test_reductions_in_flight_are_bounded_and_all_waited_for_when_backward_ends():
+    log: list[int] = []
+    buckets = [Bucket(2 * i, 2 * i + 2, [2 * i, 2 * i + 1], []) for i in range(4)]
+    for cap in (1, 2, 3):
+        log.clear()
+        queue = BucketQueue(max_in_flight=cap)
+        owner = _Owner(log, {id(b): i for i, b in enumerate(buckets)})
+        owner.hooked = set(range(8))
+        queue.add(owner, buckets)  # type: ignore[arg-type]
+        for i in reversed(range(4)):  # backward's order: every bucket completes in turn
+            buckets[i].arrived |= {2 * i, 2 * i + 1}
+            queue.arrived()
+            assert len(log) - len(owner.finished) <= cap  # started and not yet waited for
+        assert log == [3, 2, 1, 0] and owner.finished == [3, 2, 1, 0][: 4 - cap]
+        queue.end_backward()
+        assert owner.finished == [3, 2, 1, 0]  # oldest first, nothing in flight after backward
+
+
+def test_an_unarmed_queue_starts_nothing():
+    log: list[int] = []
+    buckets = [Bucket(0, 2, [0, 1], [])]
+    queue = BucketQueue()
+    queue.armed = False  # ZeRO-0/1: a backward that does not close the accumulation window
+    queue.add(_Owner(log, {id(buckets[0]): 0}), buckets)  # type: ignore[arg-type]
+    buckets[0].arrived |= {0, 1}
+    queue.arrived()
+    queue.end_backward()
+    assert log == []
+
+
+def test_bucket_ranges_partition_the_buffer_and_the_first_reduced_bucket_is_small():
+    import torch
+
+    from lightning_hybrid.strategies.zero.buckets import FIRST_BUCKET_BYTES, bucket_ranges
+
+    sizes = [300_000, 5, 700_000, 1, 200_000, 90_000]
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    world = 4
+    padded = -(-sum(sizes) // world) * world
+    buckets = bucket_ranges(params, offsets, padded, 500_000, shard_numel=padded // world)
+    assert buckets[0].lo == 0 and buckets[-1].hi == padded  # the padding is in backward's first bucket
+    assert all(a.hi == b.lo for a, b in itertools.pairwise(buckets))
+    assert sorted(i for b in buckets for i in b.members) == list(range(len(sizes)))
+    assert buckets[-1].hi - buckets[-1].lo <= FIRST_BUCKET_BYTES // 4 + 90_000  # closes once it passes 1 MiB
+    for b in buckets:
+        covered = sum(hi - lo for _, lo, hi in b.owners)
+        assert covered == b.hi - b.lo and all(r * padded // world <= lo < hi <= (r + 1) * padded // world
+                                              for r, lo, hi in b.owners)  # fmt: skip

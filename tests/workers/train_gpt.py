@@ -31,6 +31,13 @@ class RecordLoss(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
+        spec = getattr(self, "refreeze", None)
+        if spec and trainer.global_step == spec["step"] and not hasattr(self, "frozen_at"):
+            for p in pl_module.layers[spec["freeze"]].parameters():
+                p.requires_grad_(False)
+            for p in pl_module.layers[spec["unfreeze"]].parameters():
+                p.requires_grad_(True)
+            self.frozen_at = {n: p.detach().clone() for n, p in pl_module.layers[spec["freeze"]].named_parameters()}
 
 
 def make_strategy(spec: dict[str, Any]) -> Any:
@@ -72,9 +79,21 @@ def main(cfg: dict[str, Any]) -> None:
         optimizer_class = getattr(torch.optim, cfg["torch_optimizer"])
         kwargs = cfg.get("torch_optimizer_kwargs", {"lr": 0.01})
         model.configure_optimizers = lambda: optimizer_class(model.parameters(), **kwargs)
+    if cfg.get("refreeze"):  # one block trains, then freezes at a step; another, frozen until then, unfreezes
+        spec = cfg["refreeze"]
+        for p in model.layers[spec["unfreeze"]].parameters():
+            p.requires_grad_(False)
+        recorder.refreeze = spec
+    if cfg.get("reentrant_head"):  # the head (tied to the embedding) recomputed in backward by a nested backward
+        head = model.layers[-1]
+        forward = head.forward
+        head.forward = lambda x: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=True)
     data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
+    if cfg.get("refreeze"):  # how far the block frozen mid-training moved since (it must not)
+        now = dict(model.layers[cfg["refreeze"]["freeze"]].named_parameters())
+        report["moved_after_freeze"] = max(float((now[n] - v).abs().max()) for n, v in recorder.frozen_at.items())
     report["metrics"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     strategy = trainer.strategy
     if isinstance(strategy, HybridParallelStrategy):
@@ -83,6 +102,7 @@ def main(cfg: dict[str, Any]) -> None:
             "dp": strategy.layout.data_parallel_size,
         }
         report["sampler"] = strategy.distributed_sampler_kwargs
+        report["reductions"] = strategy.reductions_started()
     if cfg.get("report_params"):  # this rank's values of the named parameters it holds (all names of a tie)
         held = dict(model.named_parameters(remove_duplicate=False))
         report["params"] = {

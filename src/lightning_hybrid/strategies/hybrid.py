@@ -204,6 +204,11 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         """This rank's part of the gradient accumulated so far in the window (see :class:`GradientSync`)."""
         return self._gradient_sync.current_gradients(module)
 
+    def reductions_started(self) -> dict[str, int]:
+        """Bucket reductions of the data-parallel gradients so far: started while backward still computed
+        (``during_backward``) and started when it ended (``at_end``). ZeRO-3's are FSDP2's (not counted)."""
+        return self._gradient_sync.reductions_started()
+
     def tied_record(self) -> list[Any]:
         return self._checkpoint_names.to_json()
 

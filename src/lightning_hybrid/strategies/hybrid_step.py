@@ -124,8 +124,17 @@ class HybridStep:
     ) -> Any:
         optimizer, sync = self._unwrap(optimizer), self._gradient_sync
 
+        module = self.lightning_module
+        # automatic optimization: the closure's backward closes the window, ZeRO-0/1 reduce during it (manual
+        # optimization's backward passes are the user's: the step reduces)
+        closes = module is not None and module.automatic_optimization
+
         def closure_then_reduce() -> Any:
-            out = closure()
+            sync.window_closes(closes)
+            try:
+                out = closure()
+            finally:
+                sync.window_closes(False)
             self._prepare_step(optimizer)
             return out
 

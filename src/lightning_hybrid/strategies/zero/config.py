@@ -29,12 +29,24 @@ class ZeroConfig:
             gathered unit, its unsharded gradient, the prefetched next unit) is a fraction of a block.
             ``"blocks"``: each block is one unit (torchtitan's choice): fewer, larger all-gathers and
             reduce-scatters, faster where collectives are latency-bound, a larger peak on shallow models.
+        max_buckets_in_flight: ZeRO-0/1/2: gradient reductions started during backward and not yet waited
+            for (each bucket's reduction starts as soon as backward completed it; starting one more first
+            waits for the oldest). ZeRO-0 and ZeRO-1 reduce in place (no memory for it); ZeRO-2 holds a
+            bucket's gradients until its reduction is done, so its buckets are ``bucket_size_mb /
+            (max_buckets_in_flight + 1)``: the bucket filling and those in flight hold ``bucket_size_mb``.
+        overlap_reductions: ZeRO-0/1/2: ``True`` starts each bucket's reduction during backward, as soon as
+            backward completed it (ZeRO-0/1 in the backward that closes the accumulation window, ZeRO-2 in
+            every backward), so communication runs while the rest of backward computes. ``False`` starts them
+            all when backward ends (for a model whose parameters receive their gradient in several parts in
+            one backward, such as reentrant activation checkpointing over segments that share a parameter).
     """
 
     reduce_gradients: Literal["every_microbatch", "once_per_step"] = "every_microbatch"
     bucket_size_mb: float = 25.0
     reshard_after_forward: bool = True
     shard_units: Literal["blocks", "submodules"] = "submodules"
+    max_buckets_in_flight: int = 2
+    overlap_reductions: bool = True
 
     def __post_init__(self) -> None:
         if self.reduce_gradients not in ("every_microbatch", "once_per_step"):
@@ -46,5 +58,10 @@ class ZeroConfig:
             raise ValueError(f"bucket_size_mb must be a finite number > 0, got {size!r}.")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}.")
+        n = self.max_buckets_in_flight
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_buckets_in_flight must be an integer >= 1, got {n!r}.")
+        if not isinstance(self.overlap_reductions, bool):
+            raise ValueError(f"overlap_reductions must be True or False, got {self.overlap_reductions!r}.")
         if self.shard_units not in ("blocks", "submodules"):
             raise ValueError(f"shard_units must be 'blocks' or 'submodules', got {self.shard_units!r}.")

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["BucketGradients", "BucketQueue", "FlatGradients", "GroupGradients", "WindowGradients"]
+from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue, Finish, bucket_ranges
+
+__all__ = ["BucketGradients", "FlatGradients", "GroupGradients", "WindowGradients"]
 
 
 class GroupGradients(ABC):
@@ -157,24 +158,77 @@ class _AccumulatingGradients(GroupGradients):
 
 
 class FlatGradients(_AccumulatingGradients):
-    """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views; one in-place all-reduce."""
+    """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views. The window's last backward
+    all-reduces it bucket by bucket in the queue's order as backward completes each (``queue.armed``); a
+    window closed otherwise (manual optimization, a pipeline's schedule) is all-reduced when the step needs it."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, names: list[str], **kwargs: Any) -> None:
         self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
+        self.queue, self.names = queue, names
+        self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2])
+        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
+        self._early = 0  # buckets reduced during this window's backward
         super().__init__(*args, **kwargs)
+        queue.add(self, self.buckets)
 
     def _buffer(self) -> Tensor:
         return self.flat
 
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        super()._hook(index, param)
+        param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+
+    def _accumulated(self, index: int, param: Tensor) -> None:
+        if self.queue.armed:
+            bucket = self.buckets[self._bucket_of[index]]
+            if bucket.started:  # already reduced or being reduced: this part would be added to the mean
+                self.queue.late = self.queue.late or self.names[index]
+                return
+            bucket.arrived.add(index)
+            self.queue.arrived()
+
+    def complete(self, bucket: Bucket) -> bool:
+        # a parameter unfrozen since the last step has no hook yet: its bucket waits for the end of backward
+        return all(i in bucket.arrived for i in bucket.members if i in self.hooked or self.params[i].requires_grad)
+
+    def holds(self, bucket: Bucket) -> bool:
+        return False  # the buffer keeps the window's gradients until its reduction: nothing is pending
+
+    @torch.no_grad()
+    def start_reduction(self, bucket: Bucket) -> Finish:
+        for i in bucket.members:  # a gradient that is not a view of the buffer (a schedule's own) goes in first
+            p, segment = self.params[i], self.segment(self.flat, i)
+            if p.grad is not None and p.grad.data_ptr() != segment.data_ptr():
+                segment.add_(p.grad.reshape(-1))
+                p.grad = segment.view_as(p)
+        piece = self.flat[bucket.lo : bucket.hi]
+        work = dist.all_reduce(piece, group=self.group, async_op=True)
+        bucket.arrived, bucket.started = set(), True
+        self._early += 1
+
+        def finish() -> None:
+            assert work is not None
+            work.wait()
+            piece.div_(self.world)
+
+        return finish
+
     def after_backward(self) -> None:
         super().after_backward()
-        self._absorb(self.flat, link_all=False)
+        if not self._early:
+            self._absorb(self.flat, link_all=False)
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        self._absorb(self.flat, link_all=True)
-        dist.all_reduce(self.flat, group=self.group)
-        self.flat.div_(self.world)
+        if self._early < len(self.buckets):
+            self._absorb(self.flat, link_all=True)
+            dist.all_reduce(self.flat, group=self.group)
+            self.flat.div_(self.world)
+        else:  # reduced during backward
+            self._absorb(self.flat, link_all=True)
+        self._early = 0
+        for bucket in self.buckets:
+            bucket.started = False
         # the full averaged gradient stays visible in param.grad for hooks and callbacks
         shard.grad = self.flat[self._shard_slice()]
 
@@ -188,6 +242,9 @@ class FlatGradients(_AccumulatingGradients):
     @torch.no_grad()
     def clear(self) -> None:
         self.flat.zero_()
+        self._early = 0
+        for bucket in self.buckets:
+            bucket.arrived, bucket.started = set(), False
         super().clear()
 
 
@@ -230,59 +287,6 @@ class WindowGradients(_AccumulatingGradients):
         super().clear()
 
 
-@dataclass
-class _Bucket:
-    lo: int  # range of the group's flat buffer
-    hi: int
-    members: list[int]  # parameter indices
-    owners: list[tuple[int, int, int]]  # (group rank, lo, hi): the parts of shards it covers
-    arrived: set[int] = field(default_factory=set)  # members handed off in the current backward
-    buffer: Tensor | None = None  # their gradients, from the first hand-off until the bucket is reduced
-
-
-class BucketQueue:
-    """The one order in which a stage's ZeRO-2 buckets are reduced, the same on every rank.
-
-    Buckets are ordered last-registered first (backward runs roughly in reverse). During a backward the
-    queue reduces the next bucket in that order as soon as it is complete; :meth:`end_backward` reduces
-    the rest. ``launch_in_backward=False`` (schedules that compute weight gradients outside autograd's
-    accumulation) reduces only at the boundaries.
-    """
-
-    def __init__(self, *, launch_in_backward: bool = True) -> None:
-        self.launch_in_backward = launch_in_backward
-        self._order: list[tuple[BucketGradients, _Bucket]] = []
-        self._next = 0  # the position in `_order` of the next bucket to reduce in this backward
-        self.signature = 0  # the sequence of reductions so far, as a number (checked across ranks)
-
-    def add(self, owner: BucketGradients, buckets: list[_Bucket]) -> None:
-        assert self._next == 0, "buckets are added between backward passes"
-        # later groups first, each group's buckets last first
-        self._order[:0] = [(owner, b) for b in reversed(buckets)]
-
-    def arrived(self) -> None:
-        if not self.launch_in_backward:
-            return
-        while self._next < len(self._order) and self._order[self._next][0].complete(self._order[self._next][1]):
-            self._launch()
-
-    def end_backward(self) -> None:
-        """A backward ended, at a point every rank agrees on: reduce every bucket not yet reduced in it."""
-        while self._next < len(self._order):
-            self._launch()
-        self._next = 0
-
-    def pending(self) -> bool:
-        """Whether this rank holds gradients no reduction has taken yet."""
-        return self._next > 0 or any(owner.holds(bucket) for owner, bucket in self._order)
-
-    def _launch(self) -> None:
-        owner, bucket = self._order[self._next]
-        owner.reduce_bucket(bucket)
-        self._next += 1
-        self.signature = (self.signature * 1_000_003 + self._next) % 2**31
-
-
 class BucketGradients(GroupGradients):
     """ZeRO-2, every micro-batch: buckets reduced to their shards' owners during backward, in the queue's order."""
 
@@ -290,22 +294,14 @@ class BucketGradients(GroupGradients):
 
     def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
         self.queue = queue
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         self._bucket_of: list[int] = []
         # this rank's slice of the window's gradient: from the window's first reduction until the step
         self.shard_grad: Tensor | None = None
         params, offsets, padded = args[0], args[1], args[2]
         world = dist.get_world_size(kwargs["group"])
-        start, members = 0, []
-        for i, (p, off) in enumerate(zip(params, offsets)):
-            members.append(i)
-            self._bucket_of.append(len(self.buckets))  # the bucket being filled
-            end = off + p.numel()
-            last = i == len(params) - 1
-            if end - start >= bucket_numel or last:
-                hi = padded if last else end  # the padding belongs to the last bucket
-                self.buckets.append(_Bucket(start, hi, members, _owners(start, hi, padded // world)))
-                start, members = end, []
+        self.buckets = bucket_ranges(params, offsets, padded, bucket_numel, shard_numel=padded // world)
+        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
@@ -320,13 +316,13 @@ class BucketGradients(GroupGradients):
         bucket.arrived.add(index)
         self.queue.arrived()
 
-    def complete(self, bucket: _Bucket) -> bool:
+    def complete(self, bucket: Bucket) -> bool:
         return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
 
-    def holds(self, bucket: _Bucket) -> bool:
+    def holds(self, bucket: Bucket) -> bool:
         return bucket.buffer is not None or any(self.params[i].grad is not None for i in bucket.members)
 
-    def _hand_off(self, bucket: _Bucket, index: int) -> None:
+    def _hand_off(self, bucket: Bucket, index: int) -> None:
         p = self.params[index]
         if p.grad is None:
             return
@@ -338,19 +334,29 @@ class BucketGradients(GroupGradients):
         p.grad = None
 
     @torch.no_grad()
-    def reduce_bucket(self, bucket: _Bucket) -> None:
-        """Reduce ``bucket`` to its owners (called by the queue, in its order)."""
+    def start_reduction(self, bucket: Bucket) -> Finish:
+        """Start reducing ``bucket`` to its owners (called by the queue, in its order); the bucket's buffer is
+        freed when the returned function has waited for it and added this rank's part to its shard gradient."""
         for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
             self._hand_off(bucket, i)
         if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
-        flat, base = bucket.buffer, self.rank * self.shard_numel
+        flat, lo0 = bucket.buffer, bucket.lo
+        works = []
         for owner, lo, hi in bucket.owners:
-            piece = flat[lo - bucket.lo : hi - bucket.lo]
-            dist.reduce(piece, dst=dist.get_global_rank(self.group, owner), group=self.group)
-            if owner == self.rank:
-                self._shard_grad()[lo - base : hi - base] += piece
+            piece, dst = flat[lo - lo0 : hi - lo0], dist.get_global_rank(self.group, owner)
+            works.append((owner, lo, hi, dist.reduce(piece, dst=dst, group=self.group, async_op=True)))
         bucket.buffer, bucket.arrived = None, set()
+
+        def finish() -> None:
+            base = self.rank * self.shard_numel
+            for owner, lo, hi, work in works:
+                assert work is not None
+                work.wait()
+                if owner == self.rank:
+                    self._shard_grad()[lo - base : hi - base] += flat[lo - lo0 : hi - lo0]
+
+        return finish
 
     def _shard_grad(self) -> Tensor:
         if self.shard_grad is None:
@@ -377,8 +383,3 @@ class BucketGradients(GroupGradients):
         for bucket in self.buckets:
             bucket.buffer, bucket.arrived = None, set()
         super().clear()
-
-
-def _owners(lo: int, hi: int, shard_numel: int) -> list[tuple[int, int, int]]:
-    s = shard_numel
-    return [(r, max(lo, r * s), min(hi, (r + 1) * s)) for r in range(lo // s, (hi - 1) // s + 1)]

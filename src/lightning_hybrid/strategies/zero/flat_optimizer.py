@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.optim.layerwise import TensorPartition
+from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.flat_gradients import (
     BucketGradients,
-    BucketQueue,
     FlatGradients,
     GroupGradients,
     WindowGradients,
@@ -210,11 +210,12 @@ class FlatShardedOptimizer(FlatStateDict):
         self, params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
     ) -> GroupGradients:
         kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device}
-        if self.zero_stage == 1:
-            return FlatGradients(params, offsets, padded, **kwargs)
-        if self.reduce_mode == "once_per_step":
+        if self.zero_stage == 2 and self.reduce_mode == "once_per_step":
             return WindowGradients(params, offsets, padded, **kwargs)
-        return BucketGradients(params, offsets, padded, bucket_numel=self.bucket_numel, queue=self.queue, **kwargs)
+        kwargs.update(bucket_numel=self.bucket_numel, queue=self.queue)
+        if self.zero_stage == 1:
+            return FlatGradients(params, offsets, padded, names=[self.names[p] for p in params], **kwargs)
+        return BucketGradients(params, offsets, padded, **kwargs)
 
     def swap_in(self) -> None:
         """From the end of the window's backward to the end of the step: the param groups hold this rank's
@@ -280,20 +281,17 @@ class FlatShardedOptimizer(FlatStateDict):
         n_params = len(used)
         header = torch.tensor(
             [
-                len(self.groups),
-                -len(self.groups),
-                n_params,
-                -n_params,
-                self.queue.signature,
-                -self.queue.signature,
+                *(len(self.groups), -len(self.groups), n_params, -n_params),
+                *(self.queue.signature, -self.queue.signature),
                 int(self.queue.pending()),
                 int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
+                int(self.queue.late is not None),
             ],
             dtype=torch.int64,
             device=self._device,
         )
         dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
-        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused = header.tolist()
+        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused, late = header.tolist()
         if groups_max != -groups_min or params_max != -params_min:
             raise RuntimeError(
                 "The data-parallel ranks hold different parameter groups for this optimizer"
@@ -305,6 +303,8 @@ class FlatShardedOptimizer(FlatStateDict):
                 "The data-parallel ranks reduced different ZeRO-2 gradient buckets in this step (a backward that ran"
                 " on some ranks only). Use ZeroConfig(reduce_gradients='once_per_step')."
             )
+        if late:
+            raise RuntimeError(self.queue.late_message())
         if pending:  # gradients that no backward boundary took (every rank flushes, so the order holds)
             self.queue.end_backward()
         for g in self.groups:

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_hybrid._agree import agree
 from lightning_hybrid.optim._shardable import check_shardable
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
+from lightning_hybrid.strategies.zero.buckets import BucketQueue, ReplicatedBuckets
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
@@ -42,6 +43,7 @@ class GradientSync:
 
     zero_stage = 3
     averaged_every_backward = True  # FSDP reduce-scatters after each backward, accumulation included
+    queue: BucketQueue | None = None  # ZeRO-0/1/2: the buckets reduced during backward
 
     def __init__(
         self,
@@ -71,6 +73,17 @@ class GradientSync:
 
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished."""
+
+    def reductions_started(self) -> dict[str, int]:
+        """Bucket reductions started while backward computed, and when it ended (ZeRO-0/1/2)."""
+        if self.queue is None:
+            return {"during_backward": 0, "at_end": 0}
+        return {"during_backward": self.queue.started_during_backward, "at_end": self.queue.started_at_end}
+
+    def window_closes(self, closing: bool) -> None:
+        """Whether the backward passes that follow close the accumulation window (their gradients are the
+        step's): ZeRO-0/1 then start their reductions during backward. Set around the optimizer step's closure;
+        a backward outside it (manual optimization, an accumulating micro-batch) reduces when the step needs it."""
 
     def watch_pipeline(
         self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
@@ -159,9 +172,11 @@ class GradientSync:
 class ReplicatedGradients(GradientSync):
     """ZeRO-0: every replica holds the whole stage; gradients are averaged by an all-reduce per bucket.
 
-    Each bucket (``ZeroConfig.bucket_size_mb``) of consecutive gradients is copied into one buffer, reduced,
-    and the gradients become views of it (their own storage freed at once): a rank holds one bucket more
-    than its gradients, never a second copy of them."""
+    During the window's last backward each bucket's all-reduce starts as soon as backward completed it and is
+    waited for when backward ends (:class:`ReplicatedBuckets`, as DDP). A backward that did not close the
+    window through the optimizer step's closure (manual optimization, tied weights across stages) reduces when
+    the step needs it: each bucket (``ZeroConfig.bucket_size_mb``) of consecutive gradients copied into one
+    buffer, reduced, and the gradients become views of it (their own storage freed at once)."""
 
     zero_stage = 0
     averaged_every_backward = False  # synchronised once per window, when it closes
@@ -169,13 +184,67 @@ class ReplicatedGradients(GradientSync):
     def __init__(self, *, config: ZeroConfig, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bucket_bytes = int(config.bucket_size_mb * 2**20)
+        self.queue = BucketQueue(
+            launch_in_backward=config.overlap_reductions, max_in_flight=config.max_buckets_in_flight
+        )
+        self.queue.armed = False
+        self._buckets: ReplicatedBuckets | None = None
+        self._index: dict[Tensor, int] = {}
+        self._pipelined = False
+
+    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
+        super().attach(optimizers, names)
+        if self.data_parallel_size == 1 or self.ties or self._buckets is not None:
+            return
+        params = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}.values())
+        params = [p for p in params if p.requires_grad]
+        self._index = {p: i for i, p in enumerate(params)}
+        self._buckets = ReplicatedBuckets(
+            params, [names.get(p, "?") for p in params], bucket_bytes=self.bucket_bytes,
+            group=self.data_parallel_group, queue=self.queue,
+        )  # fmt: skip
+
+    def watch_pipeline(
+        self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
+    ) -> None:
+        # the schedule's backward passes run inside training_step, and the runner sets this micro-batch's
+        # gradients aside until Lightning's backward: the step reduces, as before
+        self._pipelined = True
+
+    def window_closes(self, closing: bool) -> None:
+        self.queue.armed = closing and self._buckets is not None and not self._pipelined
+
+    def after_backward(self) -> None:
+        self.queue.end_backward()
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        super().after_step(optimizer)
+        if self._buckets is not None:
+            self._buckets.after_window()
 
     @torch.no_grad()
     def _reduce(self, optimizer: Optimizer) -> None:
         dp = self.data_parallel_size
         if dp == 1:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        early, used = self._buckets.take() if self._buckets is not None else (set(), [])
+        # reduced during backward, frozen since included (its zeros must not step it under weight decay)
+        done = [p for p in every if self._index.get(p, -1) in early]
+        params = [p for p in every if p.requires_grad]
+        if done:  # reduced during backward: those no replica had a gradient for are not stepped
+            mine = [used[self._index[p]] for p in done] + [self.queue.late is not None]
+            flags = torch.tensor(mine, dtype=torch.uint8, device=self._comm_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            *anywhere_used, late = flags.tolist()
+            if late:  # on every rank alike, before any rank steps
+                raise RuntimeError(self.queue.late_message())
+            for p, anywhere in zip(done, anywhere_used):
+                if not anywhere:
+                    p.grad = None
+            params = [p for p in params if self._index.get(p, -1) not in early]
+            if not params:
+                return
         # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient
         # would still move it under weight decay or momentum); which ones is agreed, the check costs one flag
         has = [p.grad is not None for p in params]

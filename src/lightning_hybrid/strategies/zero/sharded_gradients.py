@@ -14,8 +14,8 @@ from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
+from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.config import ZeroConfig
-from lightning_hybrid.strategies.zero.flat_gradients import BucketQueue
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync
 
@@ -36,7 +36,11 @@ class ShardedOptimizerGradients(GradientSync):
         # ZeRO-2 every_microbatch: every bucket of the stage in one reduction order. A backward ends at the
         # strategy's after_backward (no pipeline), or, in a pipeline, at the end of each micro-batch's
         # backward through the stages (watch_pipeline)
-        self.queue = BucketQueue()
+        self.queue = BucketQueue(
+            launch_in_backward=config.overlap_reductions, max_in_flight=config.max_buckets_in_flight
+        )
+        # ZeRO-1 reduces during the backward that closes the window only (window_closes); ZeRO-2 every backward
+        self.queue.armed = zero_stage == 2
         self._boundary = "after_backward"
 
     @property
@@ -46,6 +50,10 @@ class ShardedOptimizerGradients(GradientSync):
     def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
         super().attach(optimizers, names)
         bucket = int(self.config.bucket_size_mb * 2**20)
+        if self.zero_stage == 2 and self.config.reduce_gradients == "every_microbatch":
+            # ZeRO-2's buckets are held until their reduction is done: the one filling and those in flight
+            # together stay within bucket_size_mb, the memory of one bucket reduced at a time
+            bucket //= self.config.max_buckets_in_flight + 1
         sizes = [p.element_size() for opt in optimizers for g in opt.param_groups for p in g["params"]]
         self._sharded = {
             id(opt): FlatShardedOptimizer(
@@ -88,12 +96,17 @@ class ShardedOptimizerGradients(GradientSync):
     def end_step(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].swap_out()
 
+    def window_closes(self, closing: bool) -> None:
+        if self.zero_stage == 1:  # tied gradients are summed over their stages first, when the step needs them
+            self.queue.armed = closing and not self.ties
+
     def watch_pipeline(
         self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
     ) -> None:
         self._inferring = inferring
-        if weight_gradients_deferred:
-            # weight gradients appear outside autograd's accumulation: reduce once the schedule has run
+        if weight_gradients_deferred or self.zero_stage == 1:
+            # weight gradients appear outside autograd's accumulation, or (ZeRO-1) the window's gradient is
+            # complete only once the schedule has run all its micro-batches: reduce when it has run
             self.queue.launch_in_backward = False
             self._boundary = "after_backward"
             return
