@@ -49,6 +49,23 @@ def build_example(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     return model, data, strategy
 
 
+def sharded_gpt() -> type:
+    """The example GPT as Lightning's ``ModelParallelStrategy`` wants it: the module applies FSDP2 itself."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT
+
+    class ShardedGPT(GPT):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    return ShardedGPT
+
+
 def publish(lines: list[str], out: Path, name: str) -> None:
     """Print a benchmark's table and keep it as ``out/name``."""
     table = "\n".join(lines)

@@ -33,7 +33,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _jobs import publish, run_job  # noqa: E402
+from _jobs import publish, run_job, sharded_gpt  # noqa: E402
 
 MMAP_THRESHOLD = "262144"
 
@@ -100,17 +100,6 @@ def worker(cfg: dict[str, Any]) -> None:
         n_head=8, optimizer="adamw", dropout=0.0,
     )  # fmt: skip
 
-    class ShardedGPT(GPT):
-        """Lightning's ModelParallelStrategy wants the module to apply FSDP2 itself."""
-
-        def configure_model(self) -> None:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self, mesh=mesh)
-
     if kind.startswith("plain_"):
         _plain_loop(cfg, model_kwargs, loader, baseline)
         return
@@ -120,7 +109,7 @@ def worker(cfg: dict[str, Any]) -> None:
     elif kind == "model_parallel":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        model = ShardedGPT(**model_kwargs)
+        model = sharded_gpt()(**model_kwargs)
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         kwargs = dict(cfg["strategy"])

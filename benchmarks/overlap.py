@@ -1,0 +1,280 @@
+"""Communication hidden behind compute: step time of every data-parallel path relative to Lightning's DDP.
+
+    python benchmarks/overlap.py                       # 2 CPU processes (gloo); 2+ GPUs (NCCL) if present
+    python benchmarks/overlap.py --repeats 3 --steps 14 --out benchmarks/results
+
+One run measures, side by side on the same model and data: Lightning's DDP, Lightning's
+``ModelParallelStrategy`` (FSDP2), and ``HybridParallelStrategy`` at ZeRO-0, ZeRO-1, ZeRO-2 (both
+``reduce_gradients`` settings) and ZeRO-3, each with K=1 and K=4 micro-batches per step, as interleaved
+repeats (every configuration once per round, rounds repeated), so a slow moment of the machine falls on
+all of them alike. Each configuration is its own ``torchrun`` job of this file (``--worker``); the step time
+is the median over the steps after warm-up, measured from Lightning's batch start to batch end (the
+Lightning layer included).
+
+Printed per row: the step time relative to DDP's in the same round (median over rounds, and the spread
+min-max), and the share of communication hidden behind compute:
+``1 - (step - compute) / communication``, where ``compute`` is the same per-rank work in one-process
+jobs running side by side, one per rank (no collective), and ``communication`` is the configuration's
+collectives for one step timed alone on the same processes (sizes from the model). 1.0: the collectives
+cost nothing on top of compute; 0.0: they add their whole time. On a GPU the table adds per-GPU tokens/s,
+MFU of the example GPT and the peak ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _jobs import publish, run_job, sharded_gpt  # noqa: E402
+
+# name: strategy spec ("ddp", "fsdp2", or HybridParallelStrategy kwargs)
+CONFIGS: dict[str, Any] = {
+    "DDP (Lightning)": "ddp",
+    "FSDP2 (ModelParallelStrategy)": "fsdp2",
+    "hybrid ZeRO-0": {"zero_stage": 0},
+    "hybrid ZeRO-1": {"zero_stage": 1},
+    "hybrid ZeRO-2 every_microbatch": {"zero_stage": 2},
+    "hybrid ZeRO-2 once_per_step": {"zero_stage": 2, "zero": {"reduce_gradients": "once_per_step"}},
+    "hybrid ZeRO-3": {"zero_stage": 3},
+}
+BASELINE = {"FSDP2 (ModelParallelStrategy)": None, "hybrid ZeRO-3": "FSDP2 (ModelParallelStrategy)"}
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+def _model(cfg: dict[str, Any]) -> Any:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT
+
+    kwargs = dict(
+        vocab_size=cfg["vocab_size"], block_size=cfg["block_size"], n_layer=cfg["n_layer"],
+        d_model=cfg["d_model"], n_head=8, optimizer="adamw", dropout=0.0,
+    )  # fmt: skip
+    return (sharded_gpt() if cfg["strategy"] == "fsdp2" else GPT)(**kwargs)
+
+
+def _strategy(cfg: dict[str, Any]) -> Any:
+    from lightning_hybrid.strategies import HybridParallelStrategy, ZeroConfig
+
+    spec = cfg["strategy"]
+    if cfg["devices"] == 1:
+        return "auto"
+    if spec == "ddp":
+        return "ddp"
+    if spec == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=cfg["devices"], tensor_parallel_size=1)
+    kwargs = dict(spec)
+    if "zero" in kwargs:
+        kwargs["zero"] = ZeroConfig(**kwargs["zero"])
+    return HybridParallelStrategy(data_parallel_size=cfg["devices"], **kwargs)
+
+
+def _reduce_scatter(out: Any, flat: Any, world: int) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.reduce_scatter_tensor(out, flat)
+    except (RuntimeError, NotImplementedError):  # a backend without it: the same bytes by an all-reduce
+        dist.all_reduce(flat)
+
+
+def _communication_alone(cfg: dict[str, Any], psi: int, device: Any) -> float:
+    """Seconds of the collectives this configuration issues in one optimizer step, timed alone."""
+    import torch
+    import torch.distributed as dist
+
+    spec, world, k = cfg["strategy"], dist.get_world_size(), cfg["accumulation"]
+    n = -(-psi // world) * world
+    flat = torch.randn(n, device=device)
+    shard = torch.randn(n // world, device=device)
+    outs = [torch.empty_like(shard) for _ in range(world)]
+
+    def reduce_to_owners() -> None:
+        for r in range(world):
+            dist.reduce(flat[r * (n // world) : (r + 1) * (n // world)], dst=r)
+
+    def one_step() -> None:
+        zero = None if isinstance(spec, str) else spec["zero_stage"]
+        once = isinstance(spec, dict) and spec.get("zero", {}).get("reduce_gradients") == "once_per_step"
+        if spec == "ddp" or zero in (0, 1):
+            dist.all_reduce(flat)
+        elif zero == 2:
+            for _ in range(1 if once else k):
+                reduce_to_owners()
+        else:  # FSDP2: gather for forward and backward, reduce-scatter, every micro-batch
+            for _ in range(k):
+                dist.all_gather(outs, shard)
+                dist.all_gather(outs, shard)
+                _reduce_scatter(shard, flat, world)
+        if zero in (1, 2):
+            dist.all_gather(outs, shard)
+
+    times = []
+    for i in range(6):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import CharDataModule
+
+    torch.manual_seed(0)
+    data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
+    cfg["vocab_size"] = data.vocab_size
+    model = _model(cfg)
+    gpu = torch.cuda.is_available()
+    times: list[float] = []
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx % cfg["accumulation"] == 0:
+                self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % cfg["accumulation"] == 0:
+                if gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - self.t0)
+
+    trainer = L.Trainer(
+        accelerator="gpu" if gpu else "cpu", strategy=_strategy(cfg),
+        devices=[cfg["device_index"]] if gpu and "device_index" in cfg else cfg["devices"],
+        max_steps=cfg["steps"], accumulate_grad_batches=cfg["accumulation"], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[Probe()],
+    )  # fmt: skip
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True))
+    psi = sum(p.numel() for p in _model({**cfg, "strategy": "ddp"}).parameters())
+    step = statistics.median(times[cfg["warmup"] :])
+    report: dict[str, Any] = {"rank": trainer.global_rank, "step_time": step, "psi": psi}
+    if cfg["devices"] > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        report["communication"] = _communication_alone(cfg, psi, device)
+    if gpu:
+        tokens = cfg["batch_size"] * cfg["block_size"] * cfg["accumulation"] / step
+        flops = 6 * psi * tokens  # forward + backward of a dense transformer, per token
+        report.update(tokens_per_s=tokens, mfu=flops / cfg["peak_flops"], peak_memory=torch.cuda.max_memory_allocated())
+    Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _compute_alone(base: dict[str, Any], k: int, nproc: int, work: Path) -> float:
+    """The step time of the per-rank work without any collective: ``nproc`` one-process jobs at once (on the
+    host they share its cores as the ranks do; on a GPU node each has its device)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = {**base, "strategy": "ddp", "accumulation": k}
+    with ThreadPoolExecutor(nproc) as pool:
+        jobs = [
+            pool.submit(run_job, __file__, {**cfg, "device_index": i}, 1, work / f"alone-{i}") for i in range(nproc)
+        ]
+        return max(job.result()[0]["step_time"] for job in jobs)
+
+
+def _gpus() -> tuple[int, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, ""
+    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of every configuration")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per job (the first 3 are warm-up)")
+    parser.add_argument("--only", nargs="*", default=None, help="configurations to run (names of the table)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16/fp32 peak for MFU")
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(json.loads(args.worker.read_text()))
+        return
+    gpus, name = _gpus()
+    nproc = max(gpus, 2) if gpus != 1 else 1
+    machine = f"{gpus} x {name} (NCCL)" if gpus else "2 CPU processes (gloo)"
+    size = {"n_layer": 4, "d_model": 256, "block_size": 64, "batch_size": 8}
+    if gpus:
+        size = {"n_layer": 24, "d_model": 2048, "block_size": 1024, "batch_size": 4}  # fills a large device
+    base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12}
+    names = [n for n in CONFIGS if args.only is None or n in args.only or n == "DDP (Lightning)"]
+    if "hybrid ZeRO-3" in names and "FSDP2 (ModelParallelStrategy)" not in names:
+        names.insert(1, "FSDP2 (ModelParallelStrategy)")
+    work = Path("/tmp") / "lightning-hybrid-overlap"
+    rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    compute: dict[int, list[float]] = {}
+    for round_ in range(args.repeats):
+        for k in (1, 4):
+            compute.setdefault(k, []).append(_compute_alone(base, k, nproc, work))
+            for n in names:
+                reports = run_job(__file__, {**base, "strategy": CONFIGS[n], "accumulation": k}, nproc, work / "job")
+                rows.setdefault((n, k), []).append(
+                    {
+                        "step": max(r["step_time"] for r in reports),
+                        "communication": max(r.get("communication", 0.0) for r in reports),
+                        **{key: reports[0][key] for key in ("tokens_per_s", "mfu", "peak_memory") if key in reports[0]},
+                    }
+                )
+            print(f"round {round_ + 1}/{args.repeats}, K={k}: done", flush=True)
+    lines = [
+        f"# overlap: step time relative to the baseline, {machine}, GPT {size['n_layer']}x{size['d_model']},"
+        f" per-rank batch {size['batch_size']}x{size['block_size']}, {args.repeats} interleaved rounds",
+        "",
+        "| configuration | K | step / baseline (median, min-max) | baseline | comm alone / compute |"
+        " hidden share | step (ms) |" + (" tokens/s per GPU | MFU | peak GiB |" if gpus else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|---|" if gpus else ""),
+    ]
+    for (n, k), runs in rows.items():
+        ref_name = BASELINE.get(n, "DDP (Lightning)") or "DDP (Lightning)"
+        ref = rows[(ref_name, k)]
+        ratios = [run["step"] / r["step"] for run, r in zip(runs, ref)]
+        step = statistics.median(run["step"] for run in runs)
+        comp = statistics.median(compute[k])
+        comm = statistics.median(run["communication"] for run in runs)
+        hidden = max(0.0, min(1.0, 1 - (step - comp) / comm)) if comm > 0 else float("nan")
+        line = (
+            f"| {n} | {k} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {ref_name} |"
+            f" {comm / comp:.2f} | {hidden:.2f} | {step * 1e3:.0f} |"
+        )
+        if gpus:
+            last = runs[-1]
+            line += f" {last['tokens_per_s'] / nproc:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
+        lines.append(line)
+    lines += [
+        "",
+        "hidden share = 1 - (step - compute) / communication; compute: the same per-rank work in one-process jobs"
+        " running side by side (no collective); communication: the configuration's collectives for one step,"
+        " timed alone on the same processes.",
+    ]
+    publish(lines, args.out, f"overlap_{'gpu' if gpus else 'cpu'}.txt")
+
+
+if __name__ == "__main__":
+    main()
