@@ -6,6 +6,7 @@ data, 2 DDP ranks): on CPU with deterministic ops the final weights must be bitw
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -389,7 +390,13 @@ def test_ctrl_c_during_a_synchronous_save_stops_the_run(tmp_path):
     for pid in pids:  # what a terminal's Ctrl-C does: SIGINT to every process of the job
         os.kill(pid, signal.SIGINT)
     job.join(timeout=100)
-    assert not job.is_alive()
+    if job.is_alive():  # where each rank is: every thread's stack, into its log
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(3)
+        logs = "\n".join(p.read_text(errors="replace")[-6000:] for p in sorted(Path(cfg["out"]).glob("rank*.log")))
+        raise AssertionError(f"the job did not end 100 s after Ctrl-C; the ranks' stacks:\n{logs}")
     assert time.monotonic() - started < 30, "the interrupted save was swallowed and the run went on"
     result = outcome["r"]
     assert result.returncode != 0

@@ -23,6 +23,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -239,6 +240,7 @@ def _slow_write(spec: dict[str, Any]) -> None:
 
 
 def main(cfg: dict[str, Any]) -> None:
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that finds the job hung asks for stacks
     inject = cfg.get("inject", {})
     if _armed(inject.get("kill_in_write")):
         _kill_in_write(inject["kill_in_write"])
