@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +25,18 @@ def run_job(script: str, cfg: dict[str, Any], nproc: int, workdir: Path, timeout
         script, "--worker", str(workdir / "config.json"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own session: a job past its time is killed with every rank it started (they hold devices)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"benchmark job timed out after {timeout:.0f} s: {cfg}") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark job failed: {cfg}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"benchmark job failed: {cfg}\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return [json.loads(f.read_text()) for f in sorted(workdir.glob("rank*.json"))]
 
 

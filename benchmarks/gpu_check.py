@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,22 +28,31 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _jobs import publish, run_job  # noqa: E402
 
 STEPS = 6
-# name: (ranks wanted, strategy spec, precision, tolerance on losses)
-CHECKS: dict[str, tuple[int, Any, str, float]] = {
-    "hybrid ZeRO-0, all ranks data-parallel": (-1, {"zero_stage": 0}, "32-true", 1e-4),
-    "hybrid ZeRO-1": (-1, {"zero_stage": 1}, "32-true", 1e-4),
-    "hybrid ZeRO-2": (-1, {"zero_stage": 2}, "32-true", 1e-4),
-    "hybrid ZeRO-3": (-1, {"zero_stage": 3}, "32-true", 1e-4),
-    "hybrid pp2 x ZeRO-1 (1f1b)": (2, {"pipeline_parallel_size": 2, "zero_stage": 1}, "32-true", 1e-4),
-    "hybrid ZeRO-2, bf16-mixed": (-1, {"zero_stage": 2}, "bf16-mixed", 2e-2),
-    "hybrid ZeRO-2, fp16 AdaptiveLossScaling": (-1, {"zero_stage": 2}, "fp16-adaptive", 2e-2),
+# name: (ranks: "all" = the node's devices (an even count), "one" = one device; strategy spec; precision;
+# tolerance on the per-step losses against one device in fp32 with the same global batch)
+CHECKS: dict[str, tuple[str, Any, str, float]] = {
+    "hybrid ZeRO-0, all ranks data-parallel": ("all", {"zero_stage": 0}, "32-true", 1e-4),
+    "hybrid ZeRO-1": ("all", {"zero_stage": 1}, "32-true", 1e-4),
+    "hybrid ZeRO-2": ("all", {"zero_stage": 2}, "32-true", 1e-4),
+    "hybrid ZeRO-3": ("all", {"zero_stage": 3}, "32-true", 1e-4),
+    "hybrid pp2 x ZeRO-1 (1f1b), dp = devices / 2": (
+        "all",
+        {"pipeline_parallel_size": 2, "zero_stage": 1},
+        "32-true",
+        1e-4,
+    ),
+    "hybrid ZeRO-2, bf16-mixed": ("all", {"zero_stage": 2}, "bf16-mixed", 2e-2),
+    "hybrid ZeRO-2, fp16 AdaptiveLossScaling": ("all", {"zero_stage": 2}, "fp16-adaptive", 2e-2),
     "DeepSpeedPipelineStrategy pp2 x ZeRO-1": (
-        2,
+        "all",
         {"engine": "deepspeed", "pipeline_parallel_size": 2, "zero_stage": 1},
         "32-true",
         1e-4,
     ),
+    "one device, bf16-mixed": ("one", None, "bf16-mixed", 5e-2),
+    "one device, fp16 AdaptiveLossScaling": ("one", None, "fp16-adaptive", 5e-2),
 }
+BUDGET_S = 540  # the checks stop starting jobs past this; gpu_check.sh allows 600
 
 # ------------------------------------------------------------------------------------------------ worker
 
@@ -85,7 +97,8 @@ def worker(cfg: dict[str, Any]) -> None:
         plugins=plugins, max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[Record()], use_distributed_sampler=False,
     )  # fmt: skip
-    if gpu:
+    if gpu:  # this rank's device first: a reset on the default device would open a context on device 0
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.reset_peak_memory_stats()
     # the same global batch on every layout: replica r of dp reads the r-th slice of each global batch (the
     # data-parallel ranks of one stage are adjacent; every stage of a replica reads the same samples)
@@ -139,77 +152,142 @@ def main() -> None:
         return
     start = time.monotonic()
     n, machine = _devices(args.cpu)
-    accelerator = "cpu" if args.cpu else "gpu"
-    work = Path("/tmp") / "lightning-hybrid-gpu-check"
-    rows = [f"# gpu_check: {machine}", "", "| check | ranks | result | detail |", "|---|---|---|---|"]
-    failed = 0
+    table = _Table(args.out, f"gpu_check_{'cpu' if args.cpu or n == 0 else 'gpu'}.txt", machine)
+    # on a GPU a model whose states dominate the peak (about 150M parameters); the CPU self-test a small one
+    size = {"n_layer": 4, "d_model": 256} if args.cpu else {"n_layer": 12, "d_model": 1024}
+    base = {"accelerator": "cpu" if args.cpu else "gpu", "batch_size": 8, **size}
     references: dict[tuple[str, int], list[float]] = {}
-    memory: list[str] = []
     for name, (want, spec, precision, tol) in CHECKS.items():
-        ranks = n if want == -1 else want
-        if n == 0:
-            rows.append(f"| {name} | - | skipped | no CUDA GPU on this machine |")
+        ranks = 1 if want == "one" else n - n % 2
+        skip = _skip(n, ranks, spec, precision, args.cpu, time.monotonic() - start)
+        if skip:
+            table.check(name, ranks, "skipped", skip)
             continue
-        if ranks < 2 or ranks > n or (want == -1 and ranks % 2):
-            rows.append(f"| {name} | {ranks} | skipped | needs {max(2, want)} devices, the node has {n} |")
-            continue
-        if isinstance(spec, dict) and spec.get("engine") == "deepspeed" and not _deepspeed():
-            rows.append(f"| {name} | {ranks} | skipped | deepspeed is not installed |")
-            continue
-        # on a GPU a model whose states dominate the peak (about 150M parameters); the CPU self-test a small one
-        size = {"n_layer": 4, "d_model": 256} if args.cpu else {"n_layer": 12, "d_model": 1024}
-        base = {"accelerator": accelerator, "precision": precision, "batch_size": 8, **size}
-        key = (precision, 8 * _dp(spec, ranks))  # one device, the job's global batch
-        if key not in references:
-            ref = run_job(__file__, {**base, "strategy": None, "batch_size": key[1]}, 1, work / "reference")
-            references[key] = ref[0]["losses"]
+        global_batch = 8 * (ranks // (spec or {}).get("pipeline_parallel_size", 1))
+        # several devices: one device in the same precision (the distribution is exact); one device: fp32
+        key = (precision if want == "all" else "32-true", global_batch)
         try:
-            reports = run_job(__file__, {**base, "strategy": spec}, ranks, work / "job")
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            failed += 1
-            rows.append(f"| {name} | {ranks} | FAILED | {str(exc).splitlines()[-1][:160]} |")
+            if key not in references:
+                cfg = {**base, "precision": key[0], "strategy": None, "batch_size": global_batch}
+                references[key] = run_job(__file__, cfg, 1, WORK / "reference")[0]["losses"]
+            reports = run_job(__file__, {**base, "precision": precision, "strategy": spec}, ranks, WORK / "job")
+        except RuntimeError as exc:
+            table.check(name, ranks, "FAILED", _last_error(str(exc)), failed=True)
             continue
-        ours, reference = reports[0]["losses"], references[key]
-        diff = max(abs(a - b) for a, b in zip(ours, reference)) if len(ours) == len(reference) else float("inf")
-        detail = f"max per-step loss difference {diff:.1e} (tolerance {tol:.0e})"
+        table.result(name, ranks, reports, references[key], tol, spec, precision, key[0])
+    table.memory_section(n)
+    table.lines += _overlap(n, args.cpu, BUDGET_S + 60 - (time.monotonic() - start), table)
+    table.finish(time.monotonic() - start)
+    sys.exit(1 if table.failed or (n == 0 and not args.cpu and _nvidia_gpus()) else 0)
+
+
+WORK = Path("/tmp") / "lightning-hybrid-gpu-check"
+
+
+class _Table:
+    """The one table, written again after every row (a run cut short keeps what it measured)."""
+
+    def __init__(self, out: Path, name: str, machine: str) -> None:
+        self.out, self.name, self.failed = out, name, 0
+        self.lines = [f"# gpu_check: {machine}", "", "| check | ranks | result | detail |", "|---|---|---|---|"]
+        self.memory: list[str] = []
+        if machine == "no CUDA GPU" and _nvidia_gpus():
+            self.lines[0] += " (nvidia-smi lists GPUs: this Python's torch is a CPU build; install a CUDA build)"
+
+    def check(self, name: str, ranks: int, result: str, detail: str, *, failed: bool = False) -> None:
+        self.failed += failed
+        self.lines.append(f"| {name} | {ranks} | {result} | {detail} |")
+        self.write()
+
+    def result(self, name, ranks, reports, reference, tol, spec, precision, against) -> None:
+        ours = reports[0]["losses"]
+        finite = all(math.isfinite(x) for x in ours) and len(ours) == len(reference) == STEPS
+        diff = max(abs(a - b) for a, b in zip(ours, reference)) if finite else float("inf")
+        detail = f"max per-step loss difference {diff:.1e} from {against} on one device (tolerance {tol:.0e})"
         if "scaler" in reports[0]:
             same = all(r["scaler"] == reports[0]["scaler"] for r in reports)
-            detail += f"; scaler state {'identical' if same else 'DIFFERS'} on every rank"
+            skipped = reports[0]["scaler"].get("skipped_steps", 0)
+            detail += f"; scaler state {'identical' if same else 'DIFFERS'} on every rank, {skipped:.0f} skipped steps"
             diff = diff if same else float("inf")
-        if "peak_memory" in reports[0]:
-            detail += f"; peak {max(r['peak_memory'] for r in reports) / 2**20:.0f} MiB"
-        ok = diff <= tol
-        failed += not ok
-        rows.append(f"| {name} | {ranks} | {'exact' if ok else 'FAILED'} | {detail} |")
-        stage = spec.get("zero_stage") if precision == "32-true" and "engine" not in spec else None
-        if "peak_memory" in reports[0] and stage is not None and "pipeline_parallel_size" not in spec:
+        peak = max(r.get("peak_memory", 0) for r in reports)
+        if peak:
+            detail += f"; peak {peak / 2**20:.0f} MiB"
+        passed = "exact" if against == precision else "close"  # the same precision, or against fp32
+        self.check(name, ranks, passed if diff <= tol else "FAILED", detail, failed=not diff <= tol)
+        stage = spec.get("zero_stage") if spec and precision == "32-true" and "engine" not in spec else None
+        if peak and stage is not None and "pipeline_parallel_size" not in spec:
             formula = reports[0]["psi"] * {0: 16, 1: 8 + 8 / ranks, 2: 4 + 12 / ranks, 3: 16 / ranks}[stage]
-            peak = max(r["peak_memory"] for r in reports)
-            memory.append(
-                f"| ZeRO-{stage} | {ranks} | {peak / 2**20:.0f} | {formula / 2**20:.0f} | {peak / formula:.2f} |"
-            )
-    rows += ["", "Peak `torch.cuda.max_memory_allocated` per rank against the ZeRO formula (fp32 AdamW):", ""]
-    if memory:
-        rows += ["| stage | ranks | peak MiB | formula MiB | peak / formula |", "|---|---|---|---|---|", *memory]
-    else:
-        rows.append("skipped: " + ("no CUDA GPU on this machine" if n == 0 else "measured on GPUs only"))
-    rows += _overlap(n, args.cpu)
-    rows += ["", f"{failed} failed; {time.monotonic() - start:.0f} s"]
-    publish(rows, args.out, f"gpu_check_{'cpu' if args.cpu or n == 0 else 'gpu'}.txt")
-    sys.exit(1 if failed else 0)
+            mib = f"{peak / 2**20:.0f} | {formula / 2**20:.0f}"
+            self.memory.append(f"| ZeRO-{stage} | {ranks} | {mib} | {peak / formula:.2f} |")
+
+    def memory_section(self, n: int) -> None:
+        self.lines += ["", "Peak `torch.cuda.max_memory_allocated` per rank against the ZeRO formula (fp32 AdamW):", ""]
+        if self.memory:
+            self.lines += ["| stage | ranks | peak MiB | formula MiB | peak / formula |", "|---|---|---|---|---|"]
+            self.lines += self.memory
+        else:
+            self.lines.append("skipped: " + ("no CUDA GPU on this machine" if n == 0 else "measured on 2+ GPUs only"))
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / self.name).write_text("\n".join(self.lines) + "\n")
+
+    def finish(self, seconds: float) -> None:
+        self.lines += ["", f"{self.failed} failed; {seconds:.0f} s"]
+        publish(self.lines, self.out, self.name)
 
 
-def _dp(spec: dict[str, Any], ranks: int) -> int:
-    return ranks // spec.get("pipeline_parallel_size", 1)
+def _skip(n: int, ranks: int, spec: Any, precision: str, cpu: bool, elapsed: float) -> str:
+    if n == 0:
+        return "no CUDA GPU on this machine"
+    if ranks < 2 and spec is not None:
+        return f"needs 2 devices, the node has {n}"
+    if spec is not None and spec.get("engine") == "deepspeed" and not _deepspeed():
+        return "deepspeed is not installed"
+    if precision == "bf16-mixed" and not cpu and not _bf16():
+        return "this GPU has no bf16"
+    if elapsed > BUDGET_S:
+        return f"out of time ({elapsed:.0f} s of {BUDGET_S} s)"
+    return ""
 
 
-def _overlap(n: int, cpu: bool) -> list[str]:
+def _bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_bf16_supported()
+
+
+def _nvidia_gpus() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _last_error(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if "Error" in line or "timed out" in line]
+    return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "failed")[:200]
+
+
+def _overlap(n: int, cpu: bool, seconds_left: float, table: _Table) -> list[str]:
     if n < 2 or cpu:
-        reason = "no CUDA GPU on this machine" if n == 0 else "needs 2 devices" if n < 2 else "run it alone on CPU"
+        reason = "no CUDA GPU on this machine" if n == 0 else "needs 2 GPUs" if n < 2 else "run it alone on CPU"
         return ["", f"overlap benchmark: skipped ({reason}; `python benchmarks/overlap.py`)"]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overlap.py"), "--repeats", "1"],
-                          capture_output=True, text=True, timeout=420)  # fmt: skip
-    return ["", proc.stdout.strip() if proc.returncode == 0 else f"overlap benchmark FAILED: {proc.stderr[-400:]}"]
+    if seconds_left < 150:
+        return ["", "overlap benchmark: skipped (out of time; `python benchmarks/overlap.py`)"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "overlap.py"), "--repeats", "1", "--steps", "6", "--quick"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=seconds_left - 20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        table.failed += 1
+        return ["", "overlap benchmark FAILED: out of time (run `python benchmarks/overlap.py` alone)"]
+    if proc.returncode != 0:
+        table.failed += 1
+        return ["", f"overlap benchmark FAILED: {_last_error(err)}"]
+    return ["", out.strip()]
 
 
 if __name__ == "__main__":

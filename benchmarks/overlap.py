@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -158,25 +159,28 @@ def worker(cfg: dict[str, Any]) -> None:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - self.t0)
 
+    psi = sum(p.numel() for p in model.parameters())  # before fit: the whole model
+    if gpu:  # this process's device first: a reset on the default device would open a context on device 0
+        torch.cuda.set_device(cfg.get("device_index", int(os.environ.get("LOCAL_RANK", "0"))))
+        torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", strategy=_strategy(cfg),
         devices=[cfg["device_index"]] if gpu and "device_index" in cfg else cfg["devices"],
+        precision="bf16-mixed" if gpu else "32-true",
         max_steps=cfg["steps"], accumulate_grad_batches=cfg["accumulation"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Probe()],
     )  # fmt: skip
-    if gpu:
-        torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True))
-    psi = sum(p.numel() for p in _model({**cfg, "strategy": "ddp"}).parameters())
     step = statistics.median(times[cfg["warmup"] :])
     report: dict[str, Any] = {"rank": trainer.global_rank, "step_time": step, "psi": psi}
     if cfg["devices"] > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         report["communication"] = _communication_alone(cfg, psi, device)
     if gpu:
-        tokens = cfg["batch_size"] * cfg["block_size"] * cfg["accumulation"] / step
-        flops = 6 * psi * tokens  # forward + backward of a dense transformer, per token
+        tokens = cfg["batch_size"] * cfg["block_size"] * cfg["accumulation"] / step  # this rank's, per second
+        # forward + backward per token: 6 per parameter, plus attention's scores and values (12 L T d)
+        flops = (6 * psi + 12 * cfg["n_layer"] * cfg["block_size"] * cfg["d_model"]) * tokens
         report.update(tokens_per_s=tokens, mfu=flops / cfg["peak_flops"], peak_memory=torch.cuda.max_memory_allocated())
     Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
@@ -197,12 +201,13 @@ def _compute_alone(base: dict[str, Any], k: int, nproc: int, work: Path) -> floa
         return max(job.result()[0]["step_time"] for job in jobs)
 
 
-def _gpus() -> tuple[int, str]:
+def _gpus() -> tuple[int, str, int]:
     import torch
 
     if not torch.cuda.is_available():
-        return 0, ""
-    return torch.cuda.device_count(), torch.cuda.get_device_name(0)
+        return 0, "", 0
+    props = torch.cuda.get_device_properties(0)
+    return torch.cuda.device_count(), props.name, props.total_memory
 
 
 def main() -> None:
@@ -212,26 +217,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per job (the first 3 are warm-up)")
     parser.add_argument("--only", nargs="*", default=None, help="configurations to run (names of the table)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16/fp32 peak for MFU")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
+    parser.add_argument("--quick", action="store_true", help="DDP and ZeRO-0/1/2 with K=1 only (gpu_check.sh)")
     args = parser.parse_args()
     if args.worker is not None:
         worker(json.loads(args.worker.read_text()))
         return
-    gpus, name = _gpus()
-    nproc = max(gpus, 2) if gpus != 1 else 1
-    machine = f"{gpus} x {name} (NCCL)" if gpus else "2 CPU processes (gloo)"
+    gpus, name, memory = _gpus()
+    if gpus == 1:
+        sys.exit("overlap.py compares data-parallel strategies: it needs 2 or more GPUs (or none: 2 CPU processes).")
+    nproc = max(gpus, 2)
+    machine = f"{gpus} x {name} (NCCL, bf16-mixed)" if gpus else "2 CPU processes (gloo, fp32)"
     size = {"n_layer": 4, "d_model": 256, "block_size": 64, "batch_size": 8}
-    if gpus:
-        size = {"n_layer": 24, "d_model": 2048, "block_size": 1024, "batch_size": 4}  # fills a large device
+    if gpus:  # a model whose fp32 states and AdamW fill a good part of the device (1.2B or 150M parameters)
+        big = memory >= 70 * 2**30 and not args.quick
+        size = {"n_layer": 24 if big else 12, "d_model": 2048 if big else 1024, "block_size": 1024, "batch_size": 4}
     base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12}
-    names = [n for n in CONFIGS if args.only is None or n in args.only or n == "DDP (Lightning)"]
+    only = ["hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch"] if args.quick else args.only
+    names = [n for n in CONFIGS if only is None or n in only or n == "DDP (Lightning)"]
     if "hybrid ZeRO-3" in names and "FSDP2 (ModelParallelStrategy)" not in names:
         names.insert(1, "FSDP2 (ModelParallelStrategy)")
     work = Path("/tmp") / "lightning-hybrid-overlap"
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     compute: dict[int, list[float]] = {}
     for round_ in range(args.repeats):
-        for k in (1, 4):
+        for k in (1,) if args.quick else (1, 4):
             compute.setdefault(k, []).append(_compute_alone(base, k, nproc, work))
             for n in names:
                 reports = run_job(__file__, {**base, "strategy": CONFIGS[n], "accumulation": k}, nproc, work / "job")
@@ -265,7 +275,7 @@ def main() -> None:
         )
         if gpus:
             last = runs[-1]
-            line += f" {last['tokens_per_s'] / nproc:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
+            line += f" {last['tokens_per_s']:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
         lines.append(line)
     lines += [
         "",
