@@ -167,7 +167,6 @@ class FlatGradients(_AccumulatingGradients):
         self.queue, self.names = queue, names
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2])
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
-        self._early = 0  # buckets reduced during this window's backward
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
@@ -204,7 +203,6 @@ class FlatGradients(_AccumulatingGradients):
         piece = self.flat[bucket.lo : bucket.hi]
         work = dist.all_reduce(piece, group=self.group, async_op=True)
         bucket.arrived, bucket.started = set(), True
-        self._early += 1
 
         def finish() -> None:
             assert work is not None
@@ -215,18 +213,15 @@ class FlatGradients(_AccumulatingGradients):
 
     def after_backward(self) -> None:
         super().after_backward()
-        if not self._early:
+        if not any(bucket.started for bucket in self.buckets):
             self._absorb(self.flat, link_all=False)
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        if self._early < len(self.buckets):
-            self._absorb(self.flat, link_all=True)
+        self._absorb(self.flat, link_all=True)
+        if not all(bucket.started for bucket in self.buckets):  # not reduced during backward
             dist.all_reduce(self.flat, group=self.group)
             self.flat.div_(self.world)
-        else:  # reduced during backward
-            self._absorb(self.flat, link_all=True)
-        self._early = 0
         for bucket in self.buckets:
             bucket.started = False
         # the full averaged gradient stays visible in param.grad for hooks and callbacks
@@ -242,7 +237,6 @@ class FlatGradients(_AccumulatingGradients):
     @torch.no_grad()
     def clear(self) -> None:
         self.flat.zero_()
-        self._early = 0
         for bucket in self.buckets:
             bucket.arrived, bucket.started = set(), False
         super().clear()
@@ -294,8 +288,6 @@ class BucketGradients(GroupGradients):
 
     def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
         self.queue = queue
-        self.buckets: list[Bucket] = []
-        self._bucket_of: list[int] = []
         # this rank's slice of the window's gradient: from the window's first reduction until the step
         self.shard_grad: Tensor | None = None
         params, offsets, padded = args[0], args[1], args[2]

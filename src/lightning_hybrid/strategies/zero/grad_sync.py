@@ -231,7 +231,7 @@ class ReplicatedGradients(GradientSync):
         early, used = self._buckets.take() if self._buckets is not None else (set(), [])
         # reduced during backward, frozen since included (its zeros must not step it under weight decay)
         done = [p for p in every if self._index.get(p, -1) in early]
-        params = [p for p in every if p.requires_grad]
+        params = [p for p in every if p.requires_grad and self._index.get(p, -1) not in early]
         if done:  # reduced during backward: those no replica had a gradient for are not stepped
             mine = [used[self._index[p]] for p in done] + [self.queue.late is not None]
             flags = torch.tensor(mine, dtype=torch.uint8, device=self._comm_device)
@@ -242,7 +242,6 @@ class ReplicatedGradients(GradientSync):
             for p, anywhere in zip(done, anywhere_used):
                 if not anywhere:
                     p.grad = None
-            params = [p for p in params if self._index.get(p, -1) not in early]
             if not params:
                 return
         # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient
