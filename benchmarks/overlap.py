@@ -44,8 +44,12 @@ CONFIGS: dict[str, Any] = {
     "hybrid ZeRO-2 every_microbatch": {"zero_stage": 2},
     "hybrid ZeRO-2 once_per_step": {"zero_stage": 2, "zero": {"reduce_gradients": "once_per_step"}},
     "hybrid ZeRO-3": {"zero_stage": 3},
+    # the baseline's own units: one per block (the default, a unit per parameter-holding child of a block,
+    # holds less gathered at once and issues more collectives)
+    "hybrid ZeRO-3 shard_units=blocks": {"zero_stage": 3, "zero": {"shard_units": "blocks"}},
 }
-BASELINE = {"FSDP2 (ModelParallelStrategy)": None, "hybrid ZeRO-3": "FSDP2 (ModelParallelStrategy)"}
+FSDP2 = "FSDP2 (ModelParallelStrategy)"
+BASELINE = {FSDP2: None, "hybrid ZeRO-3": FSDP2, "hybrid ZeRO-3 shard_units=blocks": FSDP2}
 
 # ------------------------------------------------------------------------------------------------ worker
 
@@ -88,6 +92,28 @@ def _reduce_scatter(out: Any, flat: Any, world: int) -> None:
         dist.all_reduce(flat)
 
 
+def _timed(fn: Any, device: Any) -> float:
+    """Median seconds of ``fn`` over 4 calls after 2 of warm-up, every rank starting together (a work handle
+    that ``fn`` returns is waited for)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for i in range(6):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if out is not None:
+            out.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _communication_alone(cfg: dict[str, Any], psi: int, device: Any) -> float:
     """Seconds of the collectives this configuration issues in one optimizer step, timed alone."""
     import torch
@@ -119,18 +145,35 @@ def _communication_alone(cfg: dict[str, Any], psi: int, device: Any) -> float:
         if zero in (1, 2):
             dist.all_gather(outs, shard)
 
-    times = []
-    for i in range(6):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        one_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _timed(one_step, device)
+
+
+def _overlap_ceiling(module: Any, cfg: dict[str, Any], psi: int, device: Any) -> float:
+    """How much of an all-reduce of the model's gradient size this machine hides behind a forward and backward
+    at all: ``1 - (both - compute) / communication``, with the all-reduce launched asynchronously just before
+    the compute (no strategy involved). What any overlap can reach here: near 1 where the network and the
+    compute have their own resources (a GPU with NCCL), near 0 where they share the same cores."""
+    import torch
+    import torch.distributed as dist
+
+    idx = torch.randint(0, cfg["vocab_size"], (cfg["batch_size"], cfg["block_size"]), device=device)
+    flat = torch.randn(psi, device=device)
+
+    def compute() -> None:
+        module(idx).float().square().mean().backward()
+
+    def communicate() -> Any:
+        return dist.all_reduce(flat, async_op=True)
+
+    def both() -> None:
+        work = communicate()
+        compute()
+        work.wait()
+
+    module.train()
+    c, m, b = _timed(compute, device), _timed(communicate, device), _timed(both, device)
+    module.zero_grad(set_to_none=True)
+    return 1 - (b - c) / m  # below 0: the two together take longer than one after the other
 
 
 def worker(cfg: dict[str, Any]) -> None:
@@ -177,6 +220,8 @@ def worker(cfg: dict[str, Any]) -> None:
     if cfg["devices"] > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         report["communication"] = _communication_alone(cfg, psi, device)
+        if cfg["strategy"] == "ddp":
+            report["ceiling"] = _overlap_ceiling(trainer.lightning_module, cfg, psi, device)
     if gpu:
         tokens = cfg["batch_size"] * cfg["block_size"] * cfg["accumulation"] / step  # this rank's, per second
         # forward + backward per token: 6 per parameter, plus attention's scores and values (12 L T d)
@@ -235,8 +280,8 @@ def main() -> None:
     base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12}
     only = ["hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch"] if args.quick else args.only
     names = [n for n in CONFIGS if only is None or n in only or n == "DDP (Lightning)"]
-    if "hybrid ZeRO-3" in names and "FSDP2 (ModelParallelStrategy)" not in names:
-        names.insert(1, "FSDP2 (ModelParallelStrategy)")
+    if any(BASELINE.get(n) == FSDP2 for n in names) and FSDP2 not in names:
+        names.insert(1, FSDP2)
     work = Path("/tmp") / "lightning-hybrid-overlap"
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     compute: dict[int, list[float]] = {}
@@ -249,6 +294,7 @@ def main() -> None:
                     {
                         "step": max(r["step_time"] for r in reports),
                         "communication": max(r.get("communication", 0.0) for r in reports),
+                        "ceiling": min((r["ceiling"] for r in reports if "ceiling" in r), default=None),
                         **{key: reports[0][key] for key in ("tokens_per_s", "mfu", "peak_memory") if key in reports[0]},
                     }
                 )
@@ -277,7 +323,13 @@ def main() -> None:
             last = runs[-1]
             line += f" {last['tokens_per_s']:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
         lines.append(line)
+    ceilings = [run["ceiling"] for runs in rows.values() for run in runs if run["ceiling"] is not None]
     lines += [
+        "",
+        f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
+        " all-reduce of the model's gradient size hidden behind one forward and backward when launched"
+        " asynchronously just before it, no strategy involved (median over the DDP jobs; below 0: the two at once"
+        " take longer than one after the other). No hidden share above can exceed it.",
         "",
         "hidden share = 1 - (step - compute) / communication; compute: the same per-rank work in one-process jobs"
         " running side by side (no collective); communication: the configuration's collectives for one step,"

@@ -343,19 +343,24 @@ class FlatShardedOptimizer(FlatStateDict):
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Write every rank's updated shard back into the full parameters (one all-gather per piece: what is
-        sent is a copy of one piece, as an input may not alias the output)."""
-        for g in self.groups:
-            if not g.params:
+        """Every rank's updated shard back into the full parameters, while the gradient buffers are cleared.
+        In place (the shard is its own slice of the output: no copy, nothing allocated on NCCL), except on gloo,
+        which stages the whole output: there a shard of several pieces is gathered piece by piece (a copy sent)."""
+        pending, gloo = [], str(dist.get_backend(self.group)) == "gloo"
+        for g in (g for g in self.groups if g.params):
+            size, base = g.shard_numel, self.rank * g.shard_numel
+            if gloo and len(g.gather) > 1:
+                for sl in g.gather:
+                    outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
+                    dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
                 continue
-            size = g.shard_numel
-            base = self.rank * size
-            for sl in g.gather:
-                outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
-                dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
-            g.grads.after_step(g.shard)
+            pending.append(dist.all_gather_into_tensor(g.flat, g.flat[base : base + size], self.group, async_op=True))
+        for g in (g for g in self.groups if g.params):
+            g.grads.after_step(g.shard)  # gradient buffers only: no gathered parameter among them
             for c in g.chunks:
                 c.tensor.grad = None
+        for work in pending:
+            work.wait()
 
     @property
     def averaged_every_backward(self) -> bool:
@@ -363,11 +368,8 @@ class FlatShardedOptimizer(FlatStateDict):
 
     def shard_gradient_parts(self, param: Tensor) -> list[Tensor]:
         """The part of ``param``'s gradient in this rank's shard, as the optimizer steps it (empty if none)."""
-        for g in self.groups:
-            for i, p in enumerate(g.params):
-                if p is param:
-                    return [c.tensor.grad for c in g.chunks if c.index == i and c.tensor.grad is not None]
-        return []
+        g, i = self._where.get(self.names.get(param, ""), (None, -1))
+        return [c.tensor.grad for c in g.chunks if c.index == i and c.tensor.grad is not None] if g else []
 
     def local_gradients(self) -> list[Tensor]:
         return [t for g in self.groups for t in g.grads.local_gradients()]
