@@ -87,7 +87,7 @@ def _reduce_scatter(out: Any, flat: Any, world: int) -> None:
     import torch.distributed as dist
 
     try:
-        dist.reduce_scatter_tensor(out, flat)
+        dist.reduce_scatter_single(out, flat)
     except (RuntimeError, NotImplementedError):  # a backend without it: the same bytes by an all-reduce
         dist.all_reduce(flat)
 

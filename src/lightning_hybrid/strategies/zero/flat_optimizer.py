@@ -354,7 +354,7 @@ class FlatShardedOptimizer(FlatStateDict):
                     outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
                     dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
                 continue
-            pending.append(dist.all_gather_into_tensor(g.flat, g.flat[base : base + size], self.group, async_op=True))
+            pending.append(dist.all_gather_single(g.flat, g.flat[base : base + size], self.group, async_op=True))
         for g in (g for g in self.groups if g.params):
             g.grads.after_step(g.shard)  # gradient buffers only: no gathered parameter among them
             for c in g.chunks:
