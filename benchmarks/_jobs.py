@@ -13,6 +13,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_in_session(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run ``cmd`` in a session of its own and return (exit code, stdout, stderr); past ``timeout`` it is
+    killed with every process it started (ranks that hold devices) and ``TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return proc.returncode, stdout, stderr
+
+
 def run_job(script: str, cfg: dict[str, Any], nproc: int, workdir: Path, timeout: float = 600) -> list[dict[str, Any]]:
     """``torchrun --standalone`` ``script --worker config.json`` on ``nproc`` processes; the rank reports."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -25,17 +40,11 @@ def run_job(script: str, cfg: dict[str, Any], nproc: int, workdir: Path, timeout
         script, "--worker", str(workdir / "config.json"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
-    # its own session: a job past its time is killed with every rank it started (they hold devices)
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        returncode, stdout, stderr = run_in_session(cmd, timeout, env=env)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
         raise RuntimeError(f"benchmark job timed out after {timeout:.0f} s: {cfg}") from None
-    if proc.returncode != 0:
+    if returncode != 0:
         raise RuntimeError(f"benchmark job failed: {cfg}\n{stdout[-3000:]}\n{stderr[-6000:]}")
     return [json.loads(f.read_text()) for f in sorted(workdir.glob("rank*.json"))]
 

@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _jobs import publish, run_job  # noqa: E402
+from _jobs import publish, run_in_session, run_job  # noqa: E402
 
 STEPS = 6
 # name: (ranks: "all" = the node's devices (an even count), "one" = one device; strategy spec; precision;
@@ -277,14 +276,12 @@ def _overlap(n: int, cpu: bool, seconds_left: float, table: _Table) -> list[str]
     if seconds_left < 150:
         return ["", "overlap benchmark: skipped (out of time; `python benchmarks/overlap.py`)"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "overlap.py"), "--repeats", "1", "--steps", "6", "--quick"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=seconds_left - 20)
+        returncode, out, err = run_in_session(cmd, seconds_left - 20)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
         table.failed += 1
         return ["", "overlap benchmark FAILED: out of time (run `python benchmarks/overlap.py` alone)"]
-    if proc.returncode != 0:
+    if returncode != 0:
         table.failed += 1
         return ["", f"overlap benchmark FAILED: {_last_error(err)}"]
     return ["", out.strip()]
