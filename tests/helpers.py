@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -15,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -151,7 +154,7 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
     """Start ``nproc`` ranks in one process group and supervise them as torchrun's agent does."""
     port = free_port()
     logs = [cfg_path.parent / f"rank{rank}.log" for rank in range(nproc)]
-    procs: list[subprocess.Popen] = []
+    procs: list = []
     try:
         for rank, log in enumerate(logs):
             rank_env = {
@@ -171,18 +174,8 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
                 "TORCHELASTIC_MAX_RESTARTS": "0",
                 **env,
             }
-            group = {"process_group": procs[0].pid if procs else 0}  # one group: one killpg stops them all
-            with open(log, "w") as sink:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(script), str(cfg_path)],
-                        cwd=ROOT,
-                        env=child_env(**rank_env),
-                        stdout=sink,
-                        stderr=subprocess.STDOUT,
-                        **group,
-                    )
-                )
+            pgid = procs[0].pid if procs else 0  # one group: one killpg stops them all
+            procs.append(_start_rank(rank, [str(script), str(cfg_path)], child_env(**rank_env), log, pgid))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -199,6 +192,30 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
                 _kill_group(procs[0])
                 break
     return max(codes, key=abs), _read(logs)
+
+
+_SERVERS: dict[int, forkserver.Server] = {}
+FORK = os.environ.get("LH_TEST_FORK", "1") != "0"  # LH_TEST_FORK=0: every rank a fresh interpreter
+
+
+def _start_rank(rank: int, argv: list[str], env: dict[str, str], log: Path, pgid: int):
+    """Rank ``rank`` of a job as ``python <argv>``: forked from the warm server of its slot, or started fresh."""
+    if not FORK:
+        with open(log, "w") as sink:
+            return subprocess.Popen(
+                [sys.executable, *argv], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=pgid
+            )
+    slot = rank % 4  # ranks 0-3 of a job are forked from four separately started interpreters
+    for s in range(slot, min(slot + 2, 4)):  # start the next slot's server early: a later rank will need it
+        if s not in _SERVERS or not _SERVERS[s].alive():
+            _SERVERS[s] = forkserver.Server(child_env())
+    return _SERVERS[slot].spawn(argv, env=env, cwd=str(ROOT), log=str(log), pgid=pgid)
+
+
+@atexit.register
+def _close_servers() -> None:
+    for server in _SERVERS.values():
+        server.close()
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
