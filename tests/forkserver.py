@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,24 +41,34 @@ PRELOAD = ("torch", "torch.distributed.checkpoint", "lightning.pytorch", "lightn
 
 def serve() -> dict[str, Any] | None:
     """Answer requests until end of input (returns None), or return a spawn request in the forked child."""
+    before = dict(os.environ)
     for name in PRELOAD:
         __import__(name)
+    # what the imports put into the environment (Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK) every rank
+    # of a fresh interpreter has too: the child adds it back to the job's environment
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
     codes: dict[int, int] = {}
     _reply({"ready": os.getpid()})
     for line in sys.stdin.buffer:
-        request = json.loads(line)
-        if request["op"] == "spawn":
-            pid = os.fork()
-            if pid == 0:
-                return request
-            # as the child does: whichever runs first, the group is set before anyone can signal it (an
-            # error: the child has already exited)
-            with contextlib.suppress(PermissionError, ProcessLookupError):
-                os.setpgid(pid, request["pgid"] or pid)
-            _reply({"pid": pid})
-        elif request["op"] == "poll":
-            _reap(codes)
-            _reply({"code": codes.get(request["pid"])})
+        try:
+            request = json.loads(line)
+            if request["op"] == "spawn":
+                pid = os.fork()
+                if pid == 0:
+                    return {**request, "env": {**added, **request["env"]}}
+                codes.pop(pid, None)  # a pid reused by the system: the old rank's status is not this one's
+                # as the child does: whichever runs first, the group is set before anyone can signal it (an
+                # error: the child has already exited)
+                with contextlib.suppress(PermissionError, ProcessLookupError):
+                    os.setpgid(pid, request["pgid"] or pid)
+                _reply({"pid": pid})
+            elif request["op"] == "poll":
+                _reap(codes)
+                _reply({"code": codes.get(request["pid"])})
+            else:
+                raise ValueError(f"unknown request {request!r}")
+        except Exception as e:  # the server outlives a bad request (a fork refused for memory, say)
+            _reply({"error": f"{type(e).__name__}: {e}"})
     return None
 
 
@@ -80,15 +91,16 @@ def _reply(message: dict[str, Any]) -> None:
 
 def run_child(request: dict[str, Any]) -> None:
     """Become ``python <script> <args>`` in ``request["cwd"]`` with ``request["env"]``, logging to ``log``."""
-    os.setpgid(0, request["pgid"])
     log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(log, 1)
+    os.dup2(log, 1)  # first: whatever the child prints from here on is in its log, never in the server's pipe
     os.dup2(log, 2)
     os.close(log)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fd 0 lives as long as the process
+    os.setpgid(0, request["pgid"])
+    _die_with_parent()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -96,15 +108,28 @@ def run_child(request: dict[str, Any]) -> None:
     sys.argv = list(request["argv"])
     sys.path[0] = str(Path(script).resolve().parent)
 
+    import numpy
     import torch
+    import torchmetrics.utilities.prints as torchmetrics_prints
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
 
-    torch.seed()  # a process of its own would have drawn its own initial seed
-    rank_zero_only.rank = _get_rank() or 0  # Lightning reads it from the environment once, at import
+    # what a process of its own would have drawn or read at import
+    torch.seed()
+    numpy.random.seed()
+    rank_zero_only.rank = _get_rank() or 0
+    torchmetrics_prints.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))
 
     import runpy
 
     runpy.run_path(script, run_name="__main__")
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank if its server dies (a server killed by the test process leaves no orphaned rank)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # -- the client (the test process) ------------------------------------------------------------------------
@@ -123,7 +148,7 @@ class ForkedProcess:
 
     def wait(self) -> int:
         while self.poll() is None:
-            threading.Event().wait(0.05)
+            time.sleep(0.05)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -135,31 +160,38 @@ class ForkedProcess:
 
 
 class Server:
-    """One server process (one rank slot), started from ``env``; ``spawn`` forks a rank from it."""
+    """One server process (one rank slot), started from ``env``; ``spawn`` forks a rank from it.
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-        )
-        self.lock = threading.Lock()
+    Its own output (the imports' warnings) goes to ``stderr_path``, not into any rank's log.
+    """
+
+    def __init__(self, env: dict[str, str], cwd: Path, stderr_path: Path) -> None:
+        with open(stderr_path, "ab") as stderr:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                bufsize=0,
+            )
         self.ready = False
+        self.pending = b""
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         if not self.ready:
-            line = _readline(self.proc, timeout)
-            if "ready" not in json.loads(line):
-                raise RuntimeError(f"fork server did not start: {line!r}")
+            if "ready" not in json.loads(self._readline(timeout)):
+                raise RuntimeError("fork server did not start")
             self.ready = True
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        with self.lock:
-            self.wait_ready()
-            self.proc.stdin.write((json.dumps(message) + "\n").encode())
-            return json.loads(_readline(self.proc, 60.0))
+        self.wait_ready()
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        answer = json.loads(self._readline(60.0))
+        if "error" in answer:
+            raise RuntimeError(f"fork server: {answer['error']}")
+        return answer
 
     def spawn(self, argv: list[str], *, env: dict[str, str], cwd: str, log: str, pgid: int) -> ForkedProcess:
         request = {"op": "spawn", "argv": argv, "env": env, "cwd": cwd, "log": log, "pgid": pgid}
@@ -177,17 +209,20 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
 
-
-def _readline(proc: subprocess.Popen, timeout: float) -> bytes:
-    """One line from the server, or an error once ``timeout`` passes or the server has died."""
-    result: list[bytes] = []
-    reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not result or not result[0]:
-        proc.kill()
-        raise RuntimeError(f"fork server gave no answer within {timeout}s (exit status {proc.poll()})")
-    return result[0]
+    def _readline(self, timeout: float) -> bytes:
+        """One line from the server; once ``timeout`` passes or the server has died, kill it and raise."""
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            chunk = os.read(fd, 65536) if left > 0 and select.select([fd], [], [], left)[0] else b""
+            if not chunk:
+                self.proc.kill()
+                self.proc.wait()
+                raise RuntimeError(f"fork server gave no answer within {timeout}s (exit status {self.proc.returncode})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line
 
 
 if __name__ == "__main__":

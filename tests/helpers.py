@@ -175,7 +175,8 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
                 **env,
             }
             pgid = procs[0].pid if procs else 0  # one group: one killpg stops them all
-            procs.append(_start_rank(rank, [str(script), str(cfg_path)], child_env(**rank_env), log, pgid))
+            argv = [str(script), str(cfg_path)]
+            procs.append(_start_rank(rank, nproc, argv, child_env(**rank_env), env, log, pgid))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -187,35 +188,46 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
             time.sleep(0.5)
         codes = [p.wait() for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill_group(procs[0])
-                break
+        running = True  # unless known otherwise (a fork server gone): no rank outlives its job
+        with contextlib.suppress(Exception):
+            running = any(p.poll() is None for p in procs)
+        if procs and running:  # a live rank keeps the group's id from being reused: safe to signal
+            _kill_group(procs[0])
     return max(codes, key=abs), _read(logs)
 
 
 _SERVERS: dict[int, forkserver.Server] = {}
+_SERVER_LOGS = Path(tempfile.mkdtemp(prefix="lh-forkserver-"))
 FORK = os.environ.get("LH_TEST_FORK", "1") != "0"  # LH_TEST_FORK=0: every rank a fresh interpreter
+# what a job's own environment may set and still be forked: read at run time, never at import
+_FORKABLE_ENV = ("PATH", "SLURM_")
 
 
-def _start_rank(rank: int, argv: list[str], env: dict[str, str], log: Path, pgid: int):
-    """Rank ``rank`` of a job as ``python <argv>``: forked from the warm server of its slot, or started fresh."""
-    if not FORK:
+def _start_rank(
+    rank: int, nproc: int, argv: list[str], env: dict[str, str], extra: dict[str, str], log: Path, pgid: int
+):
+    """Rank ``rank`` of a job as ``python <argv>``: forked from the warm server of its slot, or started fresh.
+
+    Fresh where the job sets an environment variable an interpreter or a library reads at start-up or
+    import (``extra`` beyond ``_FORKABLE_ENV``): a server has read its own.
+    """
+    if not FORK or any(not k.startswith(_FORKABLE_ENV) for k in extra):
         with open(log, "w") as sink:
             return subprocess.Popen(
                 [sys.executable, *argv], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=pgid
             )
-    slot = rank % 4  # ranks 0-3 of a job are forked from four separately started interpreters
-    for s in range(slot, min(slot + 2, 4)):  # start the next slot's server early: a later rank will need it
-        if s not in _SERVERS or not _SERVERS[s].alive():
-            _SERVERS[s] = forkserver.Server(child_env())
-    return _SERVERS[slot].spawn(argv, env=env, cwd=str(ROOT), log=str(log), pgid=pgid)
+    if rank == 0:  # every slot the job needs starts now, side by side (ranks 0-3: four interpreters)
+        for slot in range(min(nproc, 4)):
+            if slot not in _SERVERS or not _SERVERS[slot].alive():
+                _SERVERS[slot] = forkserver.Server(child_env(), ROOT, _SERVER_LOGS / f"slot{slot}.log")
+    return _SERVERS[rank % 4].spawn(argv, env=env, cwd=str(ROOT), log=str(log), pgid=pgid)
 
 
 @atexit.register
 def _close_servers() -> None:
     for server in _SERVERS.values():
         server.close()
+    shutil.rmtree(_SERVER_LOGS, ignore_errors=True)
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
