@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import ROOT, WORKERS, child_env, free_port, launch
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 LOSS_TOL, WEIGHT_TOL = 1e-5, 1e-4
 

@@ -23,7 +23,7 @@ from helpers import ROOT, child_env
 
 from lightning_hybrid.utilities import consolidate_checkpoint
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 STEPS = 40
 

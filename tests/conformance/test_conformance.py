@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE))
 from layouts import LAYOUTS  # noqa: E402
 from matrix import Matrix  # noqa: E402
 
-pytestmark = [pytest.mark.conformance, pytest.mark.multiproc]
+pytestmark = [pytest.mark.conformance, pytest.mark.multiproc, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
