@@ -329,7 +329,8 @@ def main() -> None:
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
         " all-reduce of the model's gradient size hidden behind one forward and backward when launched"
         " asynchronously just before it, no strategy involved (median over the DDP jobs; below 0: the two at once"
-        " take longer than one after the other). No hidden share above can exceed it.",
+        " take longer than one after the other). A hidden share above it is the noise of the step and compute"
+        " times it is made of, not overlap.",
         "",
         "hidden share = 1 - (step - compute) / communication; compute: the same per-rank work in one-process jobs"
         " running side by side (no collective); communication: the configuration's collectives for one step,"
