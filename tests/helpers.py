@@ -155,6 +155,10 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
     port = free_port()
     logs = [cfg_path.parent / f"rank{rank}.log" for rank in range(nproc)]
     procs: list = []
+    # fresh interpreters where the job sets a variable read at start-up or import: a server has read its own
+    fork = FORK and all(k.startswith(_FORKABLE_ENV) for k in env)
+    if fork:  # every slot the job needs starts now, side by side (ranks 0-3: four interpreters)
+        _start_servers(min(nproc, 4))
     try:
         for rank, log in enumerate(logs):
             rank_env = {
@@ -175,8 +179,7 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
                 **env,
             }
             pgid = procs[0].pid if procs else 0  # one group: one killpg stops them all
-            argv = [str(script), str(cfg_path)]
-            procs.append(_start_rank(rank, nproc, argv, child_env(**rank_env), env, log, pgid))
+            procs.append(_start_rank(rank, [str(script), str(cfg_path)], child_env(**rank_env), log, pgid, fork))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline:
@@ -203,23 +206,19 @@ FORK = os.environ.get("LH_TEST_FORK", "1") != "0"  # LH_TEST_FORK=0: every rank 
 _FORKABLE_ENV = ("PATH", "SLURM_")
 
 
-def _start_rank(
-    rank: int, nproc: int, argv: list[str], env: dict[str, str], extra: dict[str, str], log: Path, pgid: int
-):
-    """Rank ``rank`` of a job as ``python <argv>``: forked from the warm server of its slot, or started fresh.
+def _start_servers(slots: int) -> None:
+    for slot in range(slots):
+        if slot not in _SERVERS or not _SERVERS[slot].alive():
+            _SERVERS[slot] = forkserver.Server(child_env(), ROOT, _SERVER_LOGS / f"slot{slot}.log")
 
-    Fresh where the job sets an environment variable an interpreter or a library reads at start-up or
-    import (``extra`` beyond ``_FORKABLE_ENV``): a server has read its own.
-    """
-    if not FORK or any(not k.startswith(_FORKABLE_ENV) for k in extra):
+
+def _start_rank(rank: int, argv: list[str], env: dict[str, str], log: Path, pgid: int, fork: bool):
+    """Rank ``rank`` of a job as ``python <argv>``: forked from the warm server of its slot, or started fresh."""
+    if not fork:
         with open(log, "w") as sink:
             return subprocess.Popen(
                 [sys.executable, *argv], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, process_group=pgid
             )
-    if rank == 0:  # every slot the job needs starts now, side by side (ranks 0-3: four interpreters)
-        for slot in range(min(nproc, 4)):
-            if slot not in _SERVERS or not _SERVERS[slot].alive():
-                _SERVERS[slot] = forkserver.Server(child_env(), ROOT, _SERVER_LOGS / f"slot{slot}.log")
     return _SERVERS[rank % 4].spawn(argv, env=env, cwd=str(ROOT), log=str(log), pgid=pgid)
 
 
