@@ -43,13 +43,13 @@ CONFIGS: dict[str, Any] = {
     "hybrid ZeRO-1": {"zero_stage": 1},
     "hybrid ZeRO-2 every_microbatch": {"zero_stage": 2},
     "hybrid ZeRO-2 once_per_step": {"zero_stage": 2, "zero": {"reduce_gradients": "once_per_step"}},
+    # the default units ("auto"): this model's 3 MB blocks whole, as the baseline gathers them
     "hybrid ZeRO-3": {"zero_stage": 3},
-    # the baseline's own units: one per block (the default, a unit per parameter-holding child of a block,
-    # holds less gathered at once and issues more collectives)
-    "hybrid ZeRO-3 shard_units=blocks": {"zero_stage": 3, "zero": {"shard_units": "blocks"}},
+    # a unit per parameter-holding child of a block: less gathered at once, more (latency-bound) collectives
+    "hybrid ZeRO-3 shard_units=submodules": {"zero_stage": 3, "zero": {"shard_units": "submodules"}},
 }
 FSDP2 = "FSDP2 (ModelParallelStrategy)"
-BASELINE = {FSDP2: None, "hybrid ZeRO-3": FSDP2, "hybrid ZeRO-3 shard_units=blocks": FSDP2}
+BASELINE = {FSDP2: None, "hybrid ZeRO-3": FSDP2, "hybrid ZeRO-3 shard_units=submodules": FSDP2}
 
 # ------------------------------------------------------------------------------------------------ worker
 

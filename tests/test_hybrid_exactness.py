@@ -82,10 +82,19 @@ def test_every_schedule_matches_single_process(tmp_path, schedule):
         # buckets of a few thousand elements: many of them, some split between two ranks' shards
         (2, {"reduce_gradients": "every_microbatch", "bucket_size_mb": 0.02}),
         (2, {"reduce_gradients": "once_per_step"}),
+        (3, {"shard_units": "submodules"}),
         (3, {}),
         (3, {"reshard_after_forward": False, "shard_units": "blocks"}),
     ],
-    ids=["zero0", "zero1-flat-gradients", "zero2-buckets", "zero2-once-per-step", "zero3", "zero3-no-reshard-blocks"],
+    ids=[
+        "zero0",
+        "zero1-flat-gradients",
+        "zero2-buckets",
+        "zero2-once-per-step",
+        "zero3-submodules",
+        "zero3-auto",
+        "zero3-no-reshard-blocks",
+    ],
 )
 def test_pp2_dp2_every_zero_stage_matches_single_process(tmp_path, zero_stage, zero):
     """Every ZeRO stage and gradient-reduction setting, with gradient accumulation and clipping by the global

@@ -151,21 +151,23 @@ def test_ties_are_found_and_what_cannot_be_exact_is_refused():
     once = ZeroConfig(reduce_gradients="once_per_step")
     for ok in [(_layout(2, 0), ZeroConfig()), (_layout(2, 1), ZeroConfig()), (_layout(2, 2), once),
                (_layout(2, 3), ZeroConfig())]:  # fmt: skip
-        check_ties([tie], two_stages, *ok)
+        check_ties([tie], two_stages, *ok, model)
     with pytest.raises(ValueError, match=r"every_microbatch.*once_per_step"):
-        check_ties([tie], two_stages, _layout(2, 2), ZeroConfig())
+        check_ties([tie], two_stages, _layout(2, 2), ZeroConfig(), model)
     # ZeRO-3 with both names on one rank: two FSDP2 units would each shard (and untie) it
-    with pytest.raises(ValueError, match=r"2 FSDP2 units of one rank \(layers.0.token, layers.3.head\)"):
-        check_ties([tie], None, _layout(1, 3), ZeroConfig())
-    with pytest.raises(ValueError, match=r"layers.0, layers.3"):
-        check_ties([tie], None, _layout(1, 3), ZeroConfig(shard_units="blocks"))
+    for units in [ZeroConfig(shard_units="submodules"), ZeroConfig(bucket_size_mb=1e-4)]:  # blocks of < 1 KB over 105 B
+        with pytest.raises(ValueError, match=r"2 FSDP2 units of one rank \(layers.0.token, layers.3.head\)"):
+            check_ties([tie], None, _layout(1, 3), units, model)
+    for units in [ZeroConfig(shard_units="blocks"), ZeroConfig()]:  # under 25 MB: one unit each
+        with pytest.raises(ValueError, match=r"2 FSDP2 units of one rank \(layers.0, layers.3\)"):
+            check_ties([tie], None, _layout(1, 3), units, model)
     # a pipeline cannot keep a name outside `self.layers` equal to the stages' copies
     outside = Tie(("embed.weight", *tie.names), (None, *tie.blocks))
     with pytest.raises(ValueError, match=r"embed.weight is outside `self.layers`"):
-        check_ties([outside], two_stages, _layout(2, 0), ZeroConfig())
+        check_ties([outside], two_stages, _layout(2, 0), ZeroConfig(), model)
     # a V schedule puts stages 0 and 3 on rank 0: the tie is local there (one tensor, autograd sums)
     v = _layout(2, 0, schedule="zbv_zero_bubble")
-    check_ties([tie], [range(0, 1), range(1, 2), range(2, 3), range(3, 4)], v, ZeroConfig())
+    check_ties([tie], [range(0, 1), range(1, 2), range(2, 3), range(3, 4)], v, ZeroConfig(), model)
 
 
 def test_checkpoint_names_store_a_tied_parameter_once_and_read_it_back_under_any_name():

@@ -21,7 +21,13 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
         2,
         1,
     ),
-    "dp2-zero3": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 3}}, 2, 1),
+    "dp2-zero3": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 3}}, 2, 1),  # shapes' blocks: one unit
+    "dp2-zero3-submodules": (
+        2,
+        {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 3, "zero": {"shard_units": "submodules"}}},
+        2,
+        1,
+    ),
     "pp2xdp2-zero1": (4, {"name": "hybrid", "kwargs": {**PP2, **DP2, "zero_stage": 1}}, 2, 2),
     "pp2xdp2-zero2": (
         4,
@@ -45,14 +51,15 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
 
 PIPELINES = ["pp2", "pp2xdp2-zero1", "pp2xdp2-zero2", "deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
 DEEPSPEED = ["deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
+ZERO3 = ["dp2-zero3", "dp2-zero3-submodules"]
 
 # (layout, shape): what every rank's error says. Anything else that fails is a defect.
 REFUSED: dict[tuple[str, str], str] = {
     **{(layout, "backbone-finetuning"): "adds param groups to the optimizer" for layout in DEEPSPEED},
-    **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, "dp2-zero3"]},
+    **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, *ZERO3]},
     **{(layout, "manual-optimization"): "uses manual optimization" for layout in PIPELINES},
-    ("dp2-zero3", "scalar-params"): "cannot shard 0-dim parameters",
-    **{("dp2-zero3", s): "tied parameter in 2 FSDP2 units" for s in ("tied", "hf-gpt2", "hf-bert")},
+    **{(layout, "scalar-params"): "cannot shard 0-dim parameters" for layout in ZERO3},
+    **{(layout, s): "tied parameter in 2 FSDP2 units" for layout in ZERO3 for s in ("tied", "hf-gpt2", "hf-bert")},
     **{("pp2xdp2-zero2", s): "reduce_gradients='every_microbatch'" for s in ("tied", "hf-gpt2", "hf-bert")},
     **{(layout, "scalar-params"): "0-dim parameter" for layout in DEEPSPEED},
     **{(layout, s): "one parameter in two places" for layout in DEEPSPEED for s in ("tied", "hf-gpt2", "hf-bert")},

@@ -79,6 +79,7 @@ def prepare_module(
         bf16=precision_plugin.precision == "bf16-mixed",
         reshard_after_forward=zero.reshard_after_forward,
         units=zero.shard_units,
+        unit_limit_mb=zero.bucket_size_mb,
     )
     # init_from, meta tensors and ties are planned on the whole module, before the pipeline cuts it
     pretrained = agreed_plan(init_from, module, device) if init_from is not None else None
@@ -92,7 +93,8 @@ def prepare_module(
         )
     refuse_aliased_parameters(module, layout.zero_stage)  # on the whole module: every rank refuses alike
     if layout.zero_stage == 3:
-        check_fully_shardable(module)
+        pipelined = layout.pipeline_parallel_size > 1
+        check_fully_shardable(module, zero.shard_units, zero.bucket_size_mb, pipelined=pipelined)
     ties = find_ties(module)
     stage_ids: list[int] = []
     stages: list[nn.Module] = []
@@ -101,14 +103,14 @@ def prepare_module(
     if layout.pipeline_parallel_size > 1:
         check_pipeline_contract(module)
         loss_scaling = pipeline_loss_scaling(precision_plugin)
-        check_ties(ties, stage_ranges(module, layout, split), layout, zero)  # before the module is cut
+        check_ties(ties, stage_ranges(module, layout, split), layout, zero, module)  # before the module is cut
         stage_ids, stages, ranges = split_module(
             module, layout=layout, pp_rank=pp_rank, split=split, activation_checkpointing=activation_checkpointing
         )
         blocks = ", ".join(f"{sid}:{ranges[sid].start}-{ranges[sid].stop - 1}" for sid in stage_ids)
         log.info(f"[rank {rank}] pipeline stages (stage:blocks) {blocks}")
     else:
-        check_ties(ties, None, layout, zero)
+        check_ties(ties, None, layout, zero, module)
         if activation_checkpointing:
             raise ValueError(
                 "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"

@@ -34,6 +34,7 @@ from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.contract import Tie
 from lightning_hybrid.strategies._layout import Layout, stage_ids_on_rank
 from lightning_hybrid.strategies.zero.config import ZeroConfig
+from lightning_hybrid.strategies.zero.fully_sharded import planned_units, unit_of
 
 __all__ = ["TiedGradients", "check_ties", "holder_ranks"]
 
@@ -51,16 +52,11 @@ def holder_ranks(tie: Tie, ranges: list[range] | None, layout: Layout) -> list[i
     return sorted({_rank_of_block(b, ranges, layout) for b in tie.blocks})
 
 
-def _zero3_unit(name: str, units: str) -> str:
-    """The FSDP2 unit that shards parameter ``name`` (see ``zero/fully_sharded.shard_fully``)."""
-    parts = name.split(".")
-    if parts[0] == "layers" and len(parts) > 2:
-        return ".".join(parts[:3] if units == "submodules" and len(parts) > 3 else parts[:2])
-    return ".".join(parts[:2] if units == "submodules" and len(parts) > 2 else parts[:1])
-
-
-def check_ties(ties: list[Tie], ranges: list[range] | None, layout: Layout, zero: ZeroConfig) -> None:
-    """Raise a ``ValueError`` for a tie this layout cannot keep exact (the same verdict on every rank)."""
+def check_ties(
+    ties: list[Tie], ranges: list[range] | None, layout: Layout, zero: ZeroConfig, module: nn.Module
+) -> None:
+    """Raise a ``ValueError`` for a tie ``module`` holds that this layout cannot keep exact (the same verdict on
+    every rank)."""
     for tie in ties:
         if ranges is not None and None in tie.blocks:
             outside = [n for n, b in zip(tie.names, tie.blocks) if b is None]
@@ -82,9 +78,10 @@ def check_ties(ties: list[Tie], ranges: list[range] | None, layout: Layout, zero
             )
         if layout.zero_stage != 3:
             continue
+        plan = planned_units(module, zero.shard_units, zero.bucket_size_mb, pipelined=ranges is not None)
         by_rank: dict[int, set[str]] = {}
         for name, block in zip(tie.names, tie.blocks):
-            by_rank.setdefault(_rank_of_block(block, ranges, layout), set()).add(_zero3_unit(name, zero.shard_units))
+            by_rank.setdefault(_rank_of_block(block, ranges, layout), set()).add(unit_of(name, plan) or "(root)")
         split = next((units for units in by_rank.values() if len(units) > 1), None)
         if split is not None:
             raise ValueError(

@@ -19,16 +19,19 @@ class ZeroConfig:
             the full gradient accumulates over the accumulation window and pipeline micro-batches and is
             reduce-scattered once per optimizer step (less communication, the full gradient in memory).
         bucket_size_mb: the size of a gradient bucket (the ZeRO-0 all-reduce, ZeRO-2's reductions during
-            backward). A ZeRO-1/2 optimizer steps and gathers its shard in chunks of at most this size and
-            8 MiB of fp32, so an optimizer's temporaries (Adam's denominator, ...) are a chunk, not the shard.
+            backward), and under ZeRO-3 with ``shard_units="auto"`` the largest block kept as one unit. A
+            ZeRO-1/2 optimizer steps and gathers its shard in chunks of at most this size and 8 MiB of fp32, so
+            an optimizer's temporaries (Adam's denominator, ...) are a chunk, not the shard.
         reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
             forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
             gathered until the step ends (about one stage of full parameters more, fewer all-gathers).
-        shard_units: ZeRO-3 only. ``"submodules"``: each direct child of a block that holds parameters (a
-            transformer block's attention, MLP, norms) is its own FSDP2 unit, so FSDP2's working set (the
-            gathered unit, its unsharded gradient, the prefetched next unit) is a fraction of a block.
-            ``"blocks"``: each block is one unit (torchtitan's choice): fewer, larger all-gathers and
-            reduce-scatters, faster where collectives are latency-bound, a larger peak on shallow models.
+        shard_units: ZeRO-3 only. ``"auto"``: a block is one FSDP2 unit when its parameters (as stored) fit in
+            ``bucket_size_mb`` and have one dtype, otherwise each of its parameter-holding children is a unit.
+            ``"submodules"``: each direct child of a block that holds parameters (a transformer block's
+            attention, MLP, norms) is its own unit, so FSDP2's working set (the gathered unit, its unsharded
+            gradient, the prefetched next unit) is a fraction of a block. ``"blocks"``: each block is one unit
+            (torchtitan's choice): fewer, larger all-gathers and reduce-scatters, faster where collectives are
+            latency-bound, a larger peak where blocks are large.
         max_buckets_in_flight: ZeRO-0/1/2: gradient reductions started during backward and not yet waited
             for (each bucket's reduction starts as soon as backward completed it; starting one more first
             waits for the oldest). ZeRO-0 and ZeRO-1 reduce in place (no memory for it); ZeRO-2 holds a
@@ -44,7 +47,7 @@ class ZeroConfig:
     reduce_gradients: Literal["every_microbatch", "once_per_step"] = "every_microbatch"
     bucket_size_mb: float = 25.0
     reshard_after_forward: bool = True
-    shard_units: Literal["blocks", "submodules"] = "submodules"
+    shard_units: Literal["auto", "blocks", "submodules"] = "auto"
     max_buckets_in_flight: int = 2
     overlap_reductions: bool = True
 
@@ -63,5 +66,5 @@ class ZeroConfig:
             raise ValueError(f"max_buckets_in_flight must be an integer >= 1, got {n!r}.")
         if not isinstance(self.overlap_reductions, bool):
             raise ValueError(f"overlap_reductions must be True or False, got {self.overlap_reductions!r}.")
-        if self.shard_units not in ("blocks", "submodules"):
-            raise ValueError(f"shard_units must be 'blocks' or 'submodules', got {self.shard_units!r}.")
+        if self.shard_units not in ("auto", "blocks", "submodules"):
+            raise ValueError(f"shard_units must be 'auto', 'blocks' or 'submodules', got {self.shard_units!r}.")

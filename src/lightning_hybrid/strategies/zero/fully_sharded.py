@@ -1,9 +1,9 @@
 """ZeRO-3: FSDP2 ``fully_shard`` on the data-parallel sub-mesh.
 
-Each parameter-holding child of a block is a unit (its parameters are gathered just before it runs and
-freed after), or with ``shard_units="blocks"`` each block is; each stage (or, without a pipeline,
-the whole module) is the root. Under bf16 mixed precision parameters are
-gathered in bf16 and gradients reduced in fp32, the usual FSDP recipe.
+A unit's parameters are gathered just before it runs and freed after. A block is one unit, or each of its
+parameter-holding children is (``shard_units``; by default a block is one unit when its parameters fit in
+``bucket_size_mb``); each stage (or, without a pipeline, the whole module) is the root. Under bf16 mixed
+precision parameters are gathered in bf16 and gradients reduced in fp32, the usual FSDP recipe.
 """
 
 from __future__ import annotations
@@ -17,10 +17,18 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["ShardingPlan", "UnitGradients", "check_fully_shardable", "shard_fully"]
+__all__ = [
+    "ShardingPlan",
+    "UnitGradients",
+    "check_fully_shardable",
+    "planned_units",
+    "shard_fully",
+    "splits_block",
+    "unit_of",
+]
 
 
-def check_fully_shardable(module: nn.Module) -> None:
+def check_fully_shardable(module: nn.Module, units: str, limit_mb: float, *, pipelined: bool) -> None:
     """Refuse, with the names, what FSDP2 cannot shard; called on the whole module (before a pipeline cuts it),
     so every rank raises the same error."""
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
@@ -29,6 +37,44 @@ def check_fully_shardable(module: nn.Module) -> None:
             f"zero_stage=3 (FSDP2) cannot shard 0-dim parameters ({', '.join(scalars[:3])}): use zero_stage 0, 1 or 2"
             " (which keep them exact), or make each a 1-D tensor of one element."
         )
+    plan = planned_units(module, units, limit_mb, pipelined=pipelined)
+    dtypes: dict[str, dict[torch.dtype, str]] = {}
+    for name, p in module.named_parameters():
+        dtypes.setdefault(unit_of(name, plan), {}).setdefault(p.dtype, name)
+    mixed = next(((unit, found) for unit, found in dtypes.items() if len(found) > 1), None)
+    if mixed is not None:
+        unit, found = mixed
+        held = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for dtype, name in found.items())
+        raise ValueError(
+            f"zero_stage=3 (FSDP2) gathers each unit's parameters as one buffer of one dtype, and the unit"
+            f" {unit or type(module).__name__ + ' (its own parameters)'} holds {held}. Give the parameters of one"
+            " block one dtype, put each dtype in a child module of its own (with ZeroConfig(shard_units='auto')"
+            " or 'submodules' each child is a unit), or use zero_stage 0, 1 or 2."
+        )
+
+
+def planned_units(module: nn.Module, units: str, limit_mb: float, *, pipelined: bool) -> list[str]:
+    """The FSDP2 units :func:`shard_fully` makes of ``module``, by module path (``""``: the root, which a pipeline
+    stage is for its blocks)."""
+    layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
+    prefix = "layers." if layers is not None else ""
+    out = [""]
+    for name, block in (layers if layers is not None else module).named_children():
+        if not (pipelined or any(p.requires_grad for p in block.parameters())):
+            continue  # shard_fully leaves it in the root's unit
+        out.append(f"{prefix}{name}")
+        if splits_block(block, units, limit_mb):
+            out += [
+                f"{prefix}{name}.{child_name}"
+                for child_name, child in block.named_children()
+                if _units(child) and any(True for _ in child.parameters())
+            ]
+    return out
+
+
+def unit_of(name: str, plan: list[str]) -> str:
+    """The unit of ``plan`` (:func:`planned_units`) that shards parameter ``name``: its innermost enclosing one."""
+    return max((u for u in plan if u == "" or name.startswith(f"{u}.")), key=len)
 
 
 def _units(module: nn.Module) -> list[nn.Module]:
@@ -38,15 +84,32 @@ def _units(module: nn.Module) -> list[nn.Module]:
     return [module] if type(module).forward is not nn.Module.forward else []
 
 
+def splits_block(block: nn.Module, units: str, limit_mb: float) -> bool:
+    """Whether ``block``'s parameter-holding children are its FSDP2 units (else the block is one unit).
+
+    ``"auto"``: a block whose parameters (as stored) exceed ``limit_mb`` is split, so FSDP2's working set
+    (the gathered unit, its unsharded gradient, the prefetched next unit) stays a fraction of a large block;
+    a smaller block is one unit, so its collectives are few and large rather than many and latency-bound. A block
+    whose parameters have several dtypes is split too (FSDP2 gathers one dtype per unit)."""
+    if units != "auto":
+        return units == "submodules"
+    params = list(block.parameters())
+    mixed = len({p.dtype for p in params}) > 1  # one unit gathers one dtype: each child its own, where it can
+    return mixed or sum(p.numel() * p.element_size() for p in params) > limit_mb * 2**20
+
+
 class ShardingPlan:
     """How this job shards a block: the mesh, the mixed-precision policy, when to reshard.
 
     ``reshard_after_forward``: free a block's gathered parameters after its forward (gather them again for
     backward and for every pipeline micro-batch), or keep them gathered until the step ends.
-    ``units``: ``"blocks"`` or ``"submodules"`` (each child of a block that holds parameters)."""
+    ``units``: ``"blocks"``, ``"submodules"`` (each child of a block that holds parameters) or ``"auto"``
+    (:func:`splits_block` with ``unit_limit_mb``)."""
 
-    def __init__(self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, units: str) -> None:
-        self.units = units
+    def __init__(
+        self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, units: str, unit_limit_mb: float
+    ) -> None:
+        self.units, self.unit_limit_mb = units, unit_limit_mb
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         self.kwargs: dict[str, Any] = {
             "mesh": mesh,
@@ -63,7 +126,7 @@ class ShardingPlan:
         for p in block.parameters():
             if not p.is_contiguous():  # FSDP2 shards contiguous storage: same values, row-major strides
                 p.data = p.data.contiguous()
-        if self.units == "submodules" and not isinstance(block, FSDPModule):
+        if not isinstance(block, FSDPModule) and splits_block(block, self.units, self.unit_limit_mb):
             for child in block.children():
                 for unit in _units(child):
                     if any(True for _ in unit.parameters()):
