@@ -15,6 +15,7 @@ from lightning_hybrid.contract import Tie, find_ties
 from lightning_hybrid.strategies._layout import resolve_layout
 from lightning_hybrid.strategies.pipeline.tied import check_ties
 from lightning_hybrid.strategies.zero.config import ZeroConfig
+from lightning_hybrid.strategies.zero.fully_sharded import UnitRule, planned_units
 
 TOTAL, FIRST = 4, 2
 GPT_TIE = ("layers.0.token.weight", "layers.3.head.weight")  # the example GPT's names of its tied embedding
@@ -149,25 +150,29 @@ def test_ties_are_found_and_what_cannot_be_exact_is_refused():
     assert find_ties(GPT(vocab_size=16, block_size=8, n_layer=2, d_model=8, n_head=2)) == []
     two_stages = [range(0, 2), range(2, 4)]
     once = ZeroConfig(reduce_gradients="once_per_step")
-    for ok in [(_layout(2, 0), ZeroConfig()), (_layout(2, 1), ZeroConfig()), (_layout(2, 2), once),
-               (_layout(2, 3), ZeroConfig())]:  # fmt: skip
-        check_ties([tie], two_stages, *ok, model)
+
+    def plan(zero: ZeroConfig, pipelined: bool) -> list[str]:
+        return planned_units(model, UnitRule(zero.shard_units, zero.bucket_size_mb), pipelined=pipelined)
+
+    for layout, zero in [(_layout(2, 0), ZeroConfig()), (_layout(2, 1), ZeroConfig()), (_layout(2, 2), once),
+                         (_layout(2, 3), ZeroConfig())]:  # fmt: skip
+        check_ties([tie], two_stages, layout, zero, plan(zero, True))
     with pytest.raises(ValueError, match=r"every_microbatch.*once_per_step"):
-        check_ties([tie], two_stages, _layout(2, 2), ZeroConfig(), model)
+        check_ties([tie], two_stages, _layout(2, 2), ZeroConfig(), None)
     # ZeRO-3 with both names on one rank: two FSDP2 units would each shard (and untie) it
-    for units in [ZeroConfig(shard_units="submodules"), ZeroConfig(bucket_size_mb=1e-4)]:  # blocks of < 1 KB over 105 B
+    for zero in [ZeroConfig(shard_units="submodules"), ZeroConfig(bucket_size_mb=1e-4)]:  # blocks of < 1 KB over 105 B
         with pytest.raises(ValueError, match=r"2 FSDP2 units of one rank \(layers.0.token, layers.3.head\)"):
-            check_ties([tie], None, _layout(1, 3), units, model)
-    for units in [ZeroConfig(shard_units="blocks"), ZeroConfig()]:  # under 25 MB: one unit each
+            check_ties([tie], None, _layout(1, 3), zero, plan(zero, False))
+    for zero in [ZeroConfig(shard_units="blocks"), ZeroConfig()]:  # under 25 MB: one unit each
         with pytest.raises(ValueError, match=r"2 FSDP2 units of one rank \(layers.0, layers.3\)"):
-            check_ties([tie], None, _layout(1, 3), units, model)
+            check_ties([tie], None, _layout(1, 3), zero, plan(zero, False))
     # a pipeline cannot keep a name outside `self.layers` equal to the stages' copies
     outside = Tie(("embed.weight", *tie.names), (None, *tie.blocks))
     with pytest.raises(ValueError, match=r"embed.weight is outside `self.layers`"):
-        check_ties([outside], two_stages, _layout(2, 0), ZeroConfig(), model)
+        check_ties([outside], two_stages, _layout(2, 0), ZeroConfig(), None)
     # a V schedule puts stages 0 and 3 on rank 0: the tie is local there (one tensor, autograd sums)
     v = _layout(2, 0, schedule="zbv_zero_bubble")
-    check_ties([tie], [range(0, 1), range(1, 2), range(2, 3), range(3, 4)], v, ZeroConfig(), model)
+    check_ties([tie], [range(0, 1), range(1, 2), range(2, 3), range(3, 4)], v, ZeroConfig(), None)
 
 
 def test_checkpoint_names_store_a_tied_parameter_once_and_read_it_back_under_any_name():

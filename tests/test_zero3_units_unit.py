@@ -1,5 +1,6 @@
-"""ZeRO-3's FSDP2 units: which modules each ``shard_units`` setting makes units, and the tie check's view of them
-agreeing with what ``fully_shard`` actually did (one process, a one-rank gloo group)."""
+"""ZeRO-3's FSDP2 units: which modules each ``shard_units`` setting makes units, and the plan the set-up checks
+read (dtypes, ties) agreeing with what ``fully_shard`` actually did, eager, meta-built and pipelined (one
+process, a one-rank gloo group)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_hybrid.strategies._materialize import materialize_module
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (
     ShardingPlan,
+    UnitRule,
     check_fully_shardable,
     planned_units,
     shard_fully,
@@ -37,17 +40,22 @@ def _units(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-def _shard(mesh, zero: ZeroConfig, d_model: int) -> nn.Module:
+def _plan(mesh, rule: UnitRule) -> ShardingPlan:
+    return ShardingPlan(mesh, bf16=False, reshard_after_forward=True, rule=rule)
+
+
+def _gpt(d_model: int, **kwargs) -> nn.Module:
     from gpt import GPT
 
-    model = GPT(vocab_size=16, block_size=8, n_layer=2, d_model=d_model, n_head=2)
-    plan = ShardingPlan(
-        mesh, bf16=False, reshard_after_forward=True, units=zero.shard_units, unit_limit_mb=zero.bucket_size_mb
-    )
-    shard_fully(model, stages=None, plan=plan)
+    return GPT(vocab_size=16, block_size=8, n_layer=2, d_model=d_model, n_head=2, **kwargs)
+
+
+def _shard(mesh, zero: ZeroConfig, d_model: int) -> nn.Module:
+    rule = UnitRule(zero.shard_units, zero.bucket_size_mb)
+    model = _gpt(d_model)
+    shard_fully(model, stages=None, plan=_plan(mesh, rule))
     # the plan the set-up checks (dtypes, ties) read, made from the unsharded model, is what fully_shard did
-    reference = GPT(vocab_size=16, block_size=8, n_layer=2, d_model=d_model, n_head=2)
-    assert planned_units(reference, zero.shard_units, zero.bucket_size_mb, pipelined=False) == _units(model)
+    assert planned_units(_gpt(d_model), rule, pipelined=False) == _units(model)
     return model
 
 
@@ -77,23 +85,78 @@ class _HalfBias(nn.Module):
         return self.linear(x) + self.offset.float()
 
 
-def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_hold_both(one_rank_group):
-    def build() -> nn.Module:
-        model = nn.Module()
-        model.layers = nn.Sequential(_HalfBias(), nn.Linear(16, 4))
-        return model
+def _two_dtypes(*, frozen_offset: bool = False) -> nn.Module:
+    model = nn.Module()
+    model.layers = nn.Sequential(_HalfBias(), nn.Linear(16, 4))
+    model.layers[0].offset.requires_grad_(not frozen_offset)
+    return model
 
-    model = build()
-    plan = ShardingPlan(one_rank_group, bf16=False, reshard_after_forward=True, units="auto", unit_limit_mb=25.0)
-    check_fully_shardable(model, "auto", 25.0, pipelined=False)
-    shard_fully(model, stages=None, plan=plan)  # fully_shard itself asserts one dtype per unit
+
+def _train_step(model: nn.Module) -> None:
+    model.layers(torch.randn(3, 8)).sum().backward()
+
+
+def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_hold_both(one_rank_group):
+    auto = UnitRule("auto", 25.0)
+    check_fully_shardable(_two_dtypes(), auto, pipelined=False)
+    model = _two_dtypes()
+    shard_fully(model, stages=None, plan=_plan(one_rank_group, auto))
     assert _units(model) == ["", "layers.0", "layers.0.linear", "layers.1"]
-    model = build()
+    _train_step(model)  # FSDP2 takes the split block
     with pytest.raises(ValueError, match=r"the unit layers.0 holds layers.0.offset \(bfloat16\),"
                        r" layers.0.linear.weight \(float32\).*shard_units='auto'"):  # fmt: skip
-        check_fully_shardable(model, "blocks", 25.0, pipelined=False)
+        check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0), pipelined=False)
+    # what the refusal spares the user: FSDP2 takes the whole block and fails at the first forward
+    model = _two_dtypes()
+    shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("blocks", 25.0)))
+    with pytest.raises(AssertionError, match="uniform original parameter dtype"):
+        _train_step(model)
     # two dtypes directly in one module: no setting splits it
+    model = _two_dtypes()
     model.layers[0].linear.bias.data = model.layers[0].linear.bias.data.double()
     for units in ("auto", "submodules"):
         with pytest.raises(ValueError, match=r"the unit layers.0.linear holds .*float64"):
-            check_fully_shardable(model, units, 25.0, pipelined=False)
+            check_fully_shardable(model, UnitRule(units, 25.0), pipelined=False)
+
+
+def test_a_frozen_parameter_of_another_dtype_and_a_cast_to_one_dtype_are_taken(one_rank_group):
+    # FSDP2 counts trainable parameters only (a frozen bf16 base beside a trained fp32 adapter)
+    for units in ("auto", "blocks", "submodules"):
+        check_fully_shardable(_two_dtypes(frozen_offset=True), UnitRule(units, 25.0), pipelined=False)
+    model = _two_dtypes(frozen_offset=True)
+    shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("auto", 25.0)))
+    assert _units(model) == ["", "layers.0", "layers.1"]  # one trainable dtype: the block stays whole
+    _train_step(model)
+    # a "-true" precision casts every floating parameter to one dtype before sharding: nothing to refuse, and
+    # the sizes are the cast's (a 200 KB fp32 block is 100 KB of bf16, under a limit of 0.15 MB)
+    check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0, cast=torch.bfloat16), pipelined=False)
+    assert "layers.1.attn" in planned_units(_gpt(64), UnitRule("auto", 0.15), pipelined=False)
+    assert "layers.1.attn" not in planned_units(_gpt(64), UnitRule("auto", 0.15, torch.bfloat16), pipelined=False)
+
+
+def test_the_plan_is_what_a_meta_built_and_a_pipelined_model_get(one_rank_group):
+    rule = UnitRule("auto", 0.1)  # d_model=64: transformer blocks split, the embedding and the head whole
+    # meta-built: every block of self.layers is sharded as it is materialised, a frozen one too
+    model = _gpt(64, build_on_meta=True)
+    model.configure_model()  # the blocks, on the meta device
+    model.layers[2].requires_grad_(False)
+    plan = _plan(one_rank_group, rule)
+    materialize_module(model, device=torch.device("cpu"), seed=0, then=plan.shard_block)
+    shard_fully(model, stages=None, plan=plan)
+    reference = _gpt(64)
+    reference.layers[2].requires_grad_(False)
+    assert _units(model) == planned_units(reference, rule, pipelined=False)
+    assert "layers.2" in _units(model) and "layers.2.mlp" in _units(model)
+    # eager, the same frozen block: the same units
+    eager = _gpt(64)
+    eager.layers[2].requires_grad_(False)
+    shard_fully(eager, stages=None, plan=plan)
+    assert _units(eager) == _units(model)
+    # two pipeline stages of the same blocks: each stage is the root of its blocks' units
+    piped, stages = _gpt(64), []
+    for blocks in ([0, 1], [2, 3]):
+        stage = nn.Module()
+        stage.blocks = nn.ModuleList(piped.layers[i] for i in blocks)
+        stages.append(stage)
+    shard_fully(piped, stages=stages, plan=plan)
+    assert [u for u in _units(piped) if u] == [u for u in planned_units(_gpt(64), rule, pipelined=True) if u]

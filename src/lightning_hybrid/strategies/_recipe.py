@@ -34,7 +34,9 @@ from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (
     ShardingPlan,
     UnitGradients,
+    UnitRule,
     check_fully_shardable,
+    planned_units,
     shard_fully,
 )
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync
@@ -74,12 +76,14 @@ def prepare_module(
     called on every rank or none)."""
     rank = torch.distributed.get_rank()
     pp_rank = mesh.get_local_rank(PP_AXIS)
+    # a "-true" precision casts every floating parameter before ZeRO-3 shards it (the meta path: after)
+    cast = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+    rule = UnitRule(zero.shard_units, zero.bucket_size_mb, cast.get(str(precision_plugin.precision)))
     plan = ShardingPlan(
         mesh[DP_AXIS],
         bf16=precision_plugin.precision == "bf16-mixed",
         reshard_after_forward=zero.reshard_after_forward,
-        units=zero.shard_units,
-        unit_limit_mb=zero.bucket_size_mb,
+        rule=rule,
     )
     # init_from, meta tensors and ties are planned on the whole module, before the pipeline cuts it
     pretrained = agreed_plan(init_from, module, device) if init_from is not None else None
@@ -92,25 +96,28 @@ def prepare_module(
             " tied across pipeline stages), or tie the weights after the strategy set it up."
         )
     refuse_aliased_parameters(module, layout.zero_stage)  # on the whole module: every rank refuses alike
+    pipelined = layout.pipeline_parallel_size > 1
+    if pipelined:
+        check_pipeline_contract(module)
+    unit_plan = None  # ZeRO-3's units, planned on the whole module (the tie check reads them)
     if layout.zero_stage == 3:
-        pipelined = layout.pipeline_parallel_size > 1
-        check_fully_shardable(module, zero.shard_units, zero.bucket_size_mb, pipelined=pipelined)
+        check_fully_shardable(module, rule, pipelined=pipelined)
+        unit_plan = planned_units(module, rule, pipelined=pipelined)
     ties = find_ties(module)
     stage_ids: list[int] = []
     stages: list[nn.Module] = []
     ranges: list[range] | None = None
     loss_scaling = None
-    if layout.pipeline_parallel_size > 1:
-        check_pipeline_contract(module)
+    if pipelined:
         loss_scaling = pipeline_loss_scaling(precision_plugin)
-        check_ties(ties, stage_ranges(module, layout, split), layout, zero, module)  # before the module is cut
+        check_ties(ties, stage_ranges(module, layout, split), layout, zero, unit_plan)  # before the module is cut
         stage_ids, stages, ranges = split_module(
             module, layout=layout, pp_rank=pp_rank, split=split, activation_checkpointing=activation_checkpointing
         )
         blocks = ", ".join(f"{sid}:{ranges[sid].start}-{ranges[sid].stop - 1}" for sid in stage_ids)
         log.info(f"[rank {rank}] pipeline stages (stage:blocks) {blocks}")
     else:
-        check_ties(ties, None, layout, zero, module)
+        check_ties(ties, None, layout, zero, unit_plan)
         if activation_checkpointing:
             raise ValueError(
                 "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"

@@ -34,7 +34,7 @@ from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.contract import Tie
 from lightning_hybrid.strategies._layout import Layout, stage_ids_on_rank
 from lightning_hybrid.strategies.zero.config import ZeroConfig
-from lightning_hybrid.strategies.zero.fully_sharded import planned_units, unit_of
+from lightning_hybrid.strategies.zero.fully_sharded import unit_of
 
 __all__ = ["TiedGradients", "check_ties", "holder_ranks"]
 
@@ -53,10 +53,10 @@ def holder_ranks(tie: Tie, ranges: list[range] | None, layout: Layout) -> list[i
 
 
 def check_ties(
-    ties: list[Tie], ranges: list[range] | None, layout: Layout, zero: ZeroConfig, module: nn.Module
+    ties: list[Tie], ranges: list[range] | None, layout: Layout, zero: ZeroConfig, units: list[str] | None
 ) -> None:
-    """Raise a ``ValueError`` for a tie ``module`` holds that this layout cannot keep exact (the same verdict on
-    every rank)."""
+    """Raise a ``ValueError`` for a tie this layout cannot keep exact (the same verdict on every rank).
+    ``units``: ZeRO-3's FSDP2 units (``zero.fully_sharded.planned_units``)."""
     for tie in ties:
         if ranges is not None and None in tie.blocks:
             outside = [n for n, b in zip(tie.names, tie.blocks) if b is None]
@@ -78,10 +78,10 @@ def check_ties(
             )
         if layout.zero_stage != 3:
             continue
-        plan = planned_units(module, zero.shard_units, zero.bucket_size_mb, pipelined=ranges is not None)
+        assert units is not None, "ZeRO-3's ties are checked against its units"
         by_rank: dict[int, set[str]] = {}
         for name, block in zip(tie.names, tie.blocks):
-            by_rank.setdefault(_rank_of_block(block, ranges, layout), set()).add(unit_of(name, plan) or "(root)")
+            by_rank.setdefault(_rank_of_block(block, ranges, layout), set()).add(unit_of(name, units) or "(root)")
         split = next((units for units in by_rank.values() if len(units) > 1), None)
         if split is not None:
             raise ValueError(

@@ -9,6 +9,7 @@ precision parameters are gathered in bf16 and gradients reduced in fp32, the usu
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,15 +21,43 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 __all__ = [
     "ShardingPlan",
     "UnitGradients",
+    "UnitRule",
     "check_fully_shardable",
     "planned_units",
     "shard_fully",
-    "splits_block",
     "unit_of",
 ]
 
 
-def check_fully_shardable(module: nn.Module, units: str, limit_mb: float, *, pipelined: bool) -> None:
+@dataclass(frozen=True)
+class UnitRule:
+    """Which blocks are split into their children (``shard_units``, ``bucket_size_mb`` as ``limit_mb``);
+    ``cast``: the dtype every floating parameter has when it is sharded (a ``*-true`` precision), if any."""
+
+    units: str
+    limit_mb: float
+    cast: torch.dtype | None = None
+
+    def splits(self, block: nn.Module) -> bool:
+        """Whether ``block``'s parameter-holding children are its FSDP2 units (else the block is one unit).
+
+        ``"auto"``: a block whose parameters exceed ``limit_mb`` is split, so FSDP2's working set (the gathered
+        unit, its unsharded gradient, the prefetched next unit) stays a fraction of a large block; a smaller
+        block is one unit, so its collectives are few and large rather than many and latency-bound. A block
+        whose trainable parameters have several dtypes is split too (FSDP2 needs one per unit)."""
+        if isinstance(block, FSDPModule):
+            return False  # already sharded (a block sharded when it was materialised, or by the user)
+        if self.units != "auto":
+            return self.units == "submodules"
+        params = list(block.parameters())
+        mixed = len({self.dtype(p) for p in params if p.requires_grad}) > 1
+        return mixed or sum(p.numel() * self.dtype(p).itemsize for p in params) > self.limit_mb * 2**20
+
+    def dtype(self, param: Tensor) -> torch.dtype:
+        return self.cast if self.cast is not None and param.is_floating_point() else param.dtype
+
+
+def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool) -> None:
     """Refuse, with the names, what FSDP2 cannot shard; called on the whole module (before a pipeline cuts it),
     so every rank raises the same error."""
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
@@ -37,39 +66,39 @@ def check_fully_shardable(module: nn.Module, units: str, limit_mb: float, *, pip
             f"zero_stage=3 (FSDP2) cannot shard 0-dim parameters ({', '.join(scalars[:3])}): use zero_stage 0, 1 or 2"
             " (which keep them exact), or make each a 1-D tensor of one element."
         )
-    plan = planned_units(module, units, limit_mb, pipelined=pipelined)
+    plan = planned_units(module, rule, pipelined=pipelined)
     dtypes: dict[str, dict[torch.dtype, str]] = {}
     for name, p in module.named_parameters():
-        dtypes.setdefault(unit_of(name, plan), {}).setdefault(p.dtype, name)
+        unit = unit_of(name, plan)
+        if p.requires_grad and not (pipelined and unit == ""):  # a pipeline shards its stages' blocks only
+            dtypes.setdefault(unit, {}).setdefault(rule.dtype(p), name)
     mixed = next(((unit, found) for unit, found in dtypes.items() if len(found) > 1), None)
     if mixed is not None:
         unit, found = mixed
         held = ", ".join(f"{name} ({str(dtype).removeprefix('torch.')})" for dtype, name in found.items())
         raise ValueError(
-            f"zero_stage=3 (FSDP2) gathers each unit's parameters as one buffer of one dtype, and the unit"
-            f" {unit or type(module).__name__ + ' (its own parameters)'} holds {held}. Give the parameters of one"
-            " block one dtype, put each dtype in a child module of its own (with ZeroConfig(shard_units='auto')"
-            " or 'submodules' each child is a unit), or use zero_stage 0, 1 or 2."
+            "zero_stage=3 (FSDP2) needs one dtype among the trainable parameters of each unit (it fails at the"
+            f" first forward otherwise), and the unit {unit or type(module).__name__ + ' (its own parameters)'}"
+            f" holds {held}. Give them one dtype, put each dtype in a child module of its own (under"
+            " ZeroConfig(shard_units='auto') or 'submodules' each child of a block is a unit), or use zero_stage"
+            " 0, 1 or 2."
         )
 
 
-def planned_units(module: nn.Module, units: str, limit_mb: float, *, pipelined: bool) -> list[str]:
-    """The FSDP2 units :func:`shard_fully` makes of ``module``, by module path (``""``: the root, which a pipeline
-    stage is for its blocks)."""
+def planned_units(module: nn.Module, rule: UnitRule, *, pipelined: bool) -> list[str]:
+    """The FSDP2 units :func:`shard_fully` makes of ``module`` (eager or built on the meta device and sharded
+    as it is materialised), by module path; ``""``: the root (a pipeline stage's own)."""
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
     prefix = "layers." if layers is not None else ""
     out = [""]
     for name, block in (layers if layers is not None else module).named_children():
-        if not (pipelined or any(p.requires_grad for p in block.parameters())):
-            continue  # shard_fully leaves it in the root's unit
+        if not _shards_alone(block, pipelined or layers is not None):
+            continue  # left in the root's unit
         out.append(f"{prefix}{name}")
-        if splits_block(block, units, limit_mb):
-            out += [
-                f"{prefix}{name}.{child_name}"
-                for child_name, child in block.named_children()
-                if _units(child) and any(True for _ in child.parameters())
-            ]
-    return out
+        if rule.splits(block):
+            out += [f"{prefix}{name}.{n}" for n, child in block.named_children() if _unit_child(child)]
+        out += [f"{prefix}{name}.{n}" for n, m in block.named_modules() if n and isinstance(m, FSDPModule)]
+    return list(dict.fromkeys(out))
 
 
 def unit_of(name: str, plan: list[str]) -> str:
@@ -77,39 +106,30 @@ def unit_of(name: str, plan: list[str]) -> str:
     return max((u for u in plan if u == "" or name.startswith(f"{u}.")), key=len)
 
 
-def _units(module: nn.Module) -> list[nn.Module]:
-    """``[module]`` if it runs (has its own forward); a ModuleList or ModuleDict (of experts, branches, heads)
-    is no unit FSDP2 can hook, and its members may run on some replicas only (a unit must run on every
-    replica): their parameters stay in the enclosing block's unit."""
-    return [module] if type(module).forward is not nn.Module.forward else []
+def _shards_alone(block: nn.Module, in_layers: bool) -> bool:
+    """Whether a block is a unit of its own: every block of ``self.layers`` (or of a pipeline stage) that holds
+    parameters, frozen or not; without ``self.layers``, a child of the module with trainable parameters."""
+    if in_layers:
+        return any(True for _ in block.parameters())
+    return any(p.requires_grad for p in block.parameters())
 
 
-def splits_block(block: nn.Module, units: str, limit_mb: float) -> bool:
-    """Whether ``block``'s parameter-holding children are its FSDP2 units (else the block is one unit).
-
-    ``"auto"``: a block whose parameters (as stored) exceed ``limit_mb`` is split, so FSDP2's working set
-    (the gathered unit, its unsharded gradient, the prefetched next unit) stays a fraction of a large block;
-    a smaller block is one unit, so its collectives are few and large rather than many and latency-bound. A block
-    whose parameters have several dtypes is split too (FSDP2 gathers one dtype per unit)."""
-    if units != "auto":
-        return units == "submodules"
-    params = list(block.parameters())
-    mixed = len({p.dtype for p in params}) > 1  # one unit gathers one dtype: each child its own, where it can
-    return mixed or sum(p.numel() * p.element_size() for p in params) > limit_mb * 2**20
+def _unit_child(child: nn.Module) -> bool:
+    """A child of a split block is a unit if it runs (has its own forward: a ModuleList or ModuleDict of experts,
+    branches or heads is no unit FSDP2 can hook, and its members may run on some replicas only, where a unit
+    must run on every replica; their parameters stay in the block's unit) and holds parameters."""
+    return type(child).forward is not nn.Module.forward and any(True for _ in child.parameters())
 
 
 class ShardingPlan:
-    """How this job shards a block: the mesh, the mixed-precision policy, when to reshard.
+    """How this job shards a block: the mesh, the mixed-precision policy, when to reshard, the units.
 
     ``reshard_after_forward``: free a block's gathered parameters after its forward (gather them again for
     backward and for every pipeline micro-batch), or keep them gathered until the step ends.
-    ``units``: ``"blocks"``, ``"submodules"`` (each child of a block that holds parameters) or ``"auto"``
-    (:func:`splits_block` with ``unit_limit_mb``)."""
+    ``rule``: which blocks are split into their children (:class:`UnitRule`)."""
 
-    def __init__(
-        self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, units: str, unit_limit_mb: float
-    ) -> None:
-        self.units, self.unit_limit_mb = units, unit_limit_mb
+    def __init__(self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, rule: UnitRule) -> None:
+        self.rule = rule
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         self.kwargs: dict[str, Any] = {
             "mesh": mesh,
@@ -122,15 +142,14 @@ class ShardingPlan:
             fully_shard(unit, **self.kwargs)
 
     def shard_block(self, block: nn.Module) -> None:
-        """Shard one block: its parameter-holding children first when the units are submodules."""
+        """Shard one block: first its parameter-holding children, when the rule splits it."""
         for p in block.parameters():
             if not p.is_contiguous():  # FSDP2 shards contiguous storage: same values, row-major strides
                 p.data = p.data.contiguous()
-        if not isinstance(block, FSDPModule) and splits_block(block, self.units, self.unit_limit_mb):
+        if self.rule.splits(block):
             for child in block.children():
-                for unit in _units(child):
-                    if any(True for _ in unit.parameters()):
-                        self.shard(unit)
+                if _unit_child(child):
+                    self.shard(child)
         self.shard(block)
 
 
@@ -149,7 +168,8 @@ class UnitGradients:
     :meth:`unused_everywhere` agrees on those no replica used (one all-reduce) and their gradients are dropped.
     Parameters of a unit whose inputs need no gradient (the first unit: token ids) count as used. A unit
     that runs on some replicas only (layer drop, an optional adapter as its own unit) cannot be sharded by
-    FSDP2: its all-gather would wait; keep such a module inside a block's unit (``shard_units="blocks"``)."""
+    FSDP2: its all-gather would wait; keep such a module inside a block's unit (``shard_units="blocks"``:
+    under ``"auto"`` a child of a block is a unit once the block outgrows ``bucket_size_mb``)."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -231,8 +251,7 @@ def shard_fully(module: nn.Module, *, stages: list[nn.Module] | None, plan: Shar
             plan.shard(stage)
         return
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
-    units = list(layers.children()) if layers is not None else list(module.children())
-    for unit in units:
-        if any(p.requires_grad for p in unit.parameters()):
-            plan.shard_block(unit)
+    for block in layers.children() if layers is not None else module.children():
+        if _shards_alone(block, layers is not None):
+            plan.shard_block(block)
     plan.shard(module)
