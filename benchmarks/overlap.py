@@ -1,15 +1,15 @@
 """Communication hidden behind compute: step time of every data-parallel path relative to Lightning's DDP.
 
     python benchmarks/overlap.py                       # 2 CPU processes (gloo); 2+ GPUs (NCCL) if present
-    python benchmarks/overlap.py --repeats 3 --steps 14 --out benchmarks/results
+    python benchmarks/overlap.py --repeats 5 --steps 20 --out benchmarks/results
 
 One run measures, side by side on the same model and data: Lightning's DDP, Lightning's
 ``ModelParallelStrategy`` (FSDP2), and ``HybridParallelStrategy`` at ZeRO-0, ZeRO-1, ZeRO-2 (both
-``reduce_gradients`` settings) and ZeRO-3, each with K=1 and K=4 micro-batches per step, as interleaved
-repeats (every configuration once per round, rounds repeated), so a slow moment of the machine falls on
-all of them alike. Each configuration is its own ``torchrun`` job of this file (``--worker``); the step time
-is the median over the steps after warm-up, measured from Lightning's batch start to batch end (the
-Lightning layer included).
+``reduce_gradients`` settings) and ZeRO-3 (default units and ``"submodules"``), each with K=1 and K=4
+micro-batches per step, as interleaved repeats (every configuration once per round, rounds repeated), so a
+slow moment of the machine falls on all of them alike. Each configuration is its own ``torchrun`` job of
+this file (``--worker``); the step time is the median over the steps after warm-up, measured from
+Lightning's batch start to batch end (the Lightning layer included).
 
 Printed per row: the step time relative to DDP's in the same round (median over rounds, and the spread
 min-max), and the share of communication hidden behind compute:
