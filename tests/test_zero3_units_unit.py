@@ -98,14 +98,14 @@ def _train_step(model: nn.Module) -> None:
 
 def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_hold_both(one_rank_group):
     auto = UnitRule("auto", 25.0)
-    check_fully_shardable(_two_dtypes(), auto, pipelined=False)
+    check_fully_shardable(_two_dtypes(), auto, pipelined=False, meta_built=False)
     model = _two_dtypes()
     shard_fully(model, stages=None, plan=_plan(one_rank_group, auto))
     assert _units(model) == ["", "layers.0", "layers.0.linear", "layers.1"]
     _train_step(model)  # FSDP2 takes the split block
     with pytest.raises(ValueError, match=r"the unit layers.0 holds layers.0.offset \(bfloat16\),"
                        r" layers.0.linear.weight \(float32\).*shard_units='auto'"):  # fmt: skip
-        check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0), pipelined=False)
+        check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0), pipelined=False, meta_built=False)
     # what the refusal spares the user: FSDP2 takes the whole block and fails at the first forward
     model = _two_dtypes()
     shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("blocks", 25.0)))
@@ -116,20 +116,20 @@ def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_h
     model.layers[0].linear.bias.data = model.layers[0].linear.bias.data.double()
     for units in ("auto", "submodules"):
         with pytest.raises(ValueError, match=r"the unit layers.0.linear holds .*float64"):
-            check_fully_shardable(model, UnitRule(units, 25.0), pipelined=False)
+            check_fully_shardable(model, UnitRule(units, 25.0), pipelined=False, meta_built=False)
 
 
 def test_a_frozen_parameter_of_another_dtype_and_a_cast_to_one_dtype_are_taken(one_rank_group):
     # FSDP2 counts trainable parameters only (a frozen bf16 base beside a trained fp32 adapter)
     for units in ("auto", "blocks", "submodules"):
-        check_fully_shardable(_two_dtypes(frozen_offset=True), UnitRule(units, 25.0), pipelined=False)
+        check_fully_shardable(_two_dtypes(frozen_offset=True), UnitRule(units, 25.0), pipelined=False, meta_built=False)
     model = _two_dtypes(frozen_offset=True)
     shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("auto", 25.0)))
     assert _units(model) == ["", "layers.0", "layers.1"]  # one trainable dtype: the block stays whole
     _train_step(model)
     # a "-true" precision casts every floating parameter to one dtype before sharding: nothing to refuse, and
     # the sizes are the cast's (a 200 KB fp32 block is 100 KB of bf16, under a limit of 0.15 MB)
-    check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0, cast=torch.bfloat16), pipelined=False)
+    check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0, torch.bfloat16), pipelined=False, meta_built=False)
     assert "layers.1.attn" in planned_units(_gpt(64), UnitRule("auto", 0.15), pipelined=False)
     assert "layers.1.attn" not in planned_units(_gpt(64), UnitRule("auto", 0.15, torch.bfloat16), pipelined=False)
 
@@ -145,18 +145,49 @@ def test_the_plan_is_what_a_meta_built_and_a_pipelined_model_get(one_rank_group)
     shard_fully(model, stages=None, plan=plan)
     reference = _gpt(64)
     reference.layers[2].requires_grad_(False)
-    assert _units(model) == planned_units(reference, rule, pipelined=False)
+    assert _units(model) == planned_units(reference, rule, pipelined=False, meta_built=True)
     assert "layers.2" in _units(model) and "layers.2.mlp" in _units(model)
-    # eager, the same frozen block: the same units
+    # eager, the same frozen block stays in the root's unit (unfreezing it later changes nothing for FSDP2)
     eager = _gpt(64)
     eager.layers[2].requires_grad_(False)
     shard_fully(eager, stages=None, plan=plan)
-    assert _units(eager) == _units(model)
+    assert (
+        _units(eager)
+        == planned_units(reference, rule, pipelined=False)
+        == [u for u in _units(model) if not u.startswith("layers.2")]
+    )
     # two pipeline stages of the same blocks: each stage is the root of its blocks' units
     piped, stages = _gpt(64), []
+    piped.layers[2].requires_grad_(False)
     for blocks in ([0, 1], [2, 3]):
         stage = nn.Module()
         stage.blocks = nn.ModuleList(piped.layers[i] for i in blocks)
         stages.append(stage)
     shard_fully(piped, stages=stages, plan=plan)
-    assert [u for u in _units(piped) if u] == [u for u in planned_units(_gpt(64), rule, pipelined=True) if u]
+    assert [u for u in _units(piped) if u] == [u for u in planned_units(reference, rule, pipelined=True) if u]
+
+
+def test_a_frozen_unit_made_trainable_under_bf16_is_refused_before_fsdp2_fails_in_backward(one_rank_group):
+    from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
+
+    def frozen_block_unit(guard: bool) -> nn.Module:
+        model = nn.Module()
+        model.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        model.layers[0].requires_grad_(False)
+        plan = ShardingPlan(one_rank_group, bf16=True, reshard_after_forward=True, rule=UnitRule("auto", 25.0))
+        for block in model.layers:  # as the meta path and a pipeline do: the frozen block is a unit
+            plan.shard_block(block)
+        plan.shard(model)
+        if guard:
+            UnitGradients(model, dist.group.WORLD, cast_for_compute=plan.casts_for_compute)
+        _train_step(model)  # FSDP2's first forward: the frozen unit's gradient dtype is fixed here
+        model.layers[0].requires_grad_(True)  # BackboneFinetuning's unfreeze
+        return model
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"layers.0 was frozen when zero_stage=3 sharded it.*now layers.0.weight, layers.0.bias trainable",
+    ):
+        _train_step(frozen_block_unit(guard=True))
+    with pytest.raises(RuntimeError, match="dtype"):  # without the guard: FSDP2 itself, inside backward
+        _train_step(frozen_block_unit(guard=False))

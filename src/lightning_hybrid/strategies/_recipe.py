@@ -101,8 +101,8 @@ def prepare_module(
         check_pipeline_contract(module)
     unit_plan = None  # ZeRO-3's units, planned on the whole module (the tie check reads them)
     if layout.zero_stage == 3:
-        check_fully_shardable(module, rule, pipelined=pipelined)
-        unit_plan = planned_units(module, rule, pipelined=pipelined)
+        check_fully_shardable(module, rule, pipelined=pipelined, meta_built=meta_built)
+        unit_plan = planned_units(module, rule, pipelined=pipelined, meta_built=meta_built)
     ties = find_ties(module)
     stage_ids: list[int] = []
     stages: list[nn.Module] = []
@@ -139,7 +139,7 @@ def prepare_module(
     units = None
     if layout.zero_stage == 3:
         shard_fully(module, stages=stages, plan=plan)
-        units = UnitGradients(module, mesh.get_group(DP_AXIS))
+        units = UnitGradients(module, mesh.get_group(DP_AXIS), cast_for_compute=plan.casts_for_compute)
     bytes_read = 0
     if pretrained is not None:
         bytes_read = agreed_load(module, *pretrained, device)

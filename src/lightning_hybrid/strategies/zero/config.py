@@ -25,8 +25,9 @@ class ZeroConfig:
         reshard_after_forward: ZeRO-3 only. ``True``: free each block's gathered parameters after its
             forward and gather them again for its backward (and for every micro-batch). ``False``: keep them
             gathered until the step ends (about one stage of full parameters more, fewer all-gathers).
-        shard_units: ZeRO-3 only. ``"auto"``: a block is one FSDP2 unit when its parameters (as stored) fit in
-            ``bucket_size_mb`` and have one dtype, otherwise each of its parameter-holding children is a unit.
+        shard_units: ZeRO-3 only. ``"auto"``: a block is one FSDP2 unit when its parameters fit in
+            ``bucket_size_mb`` and its trainable ones have one dtype (after a ``*-true`` precision's cast),
+            otherwise each of its parameter-holding children is a unit.
             ``"submodules"``: each direct child of a block that holds parameters (a transformer block's
             attention, MLP, norms) is its own unit, so FSDP2's working set (the gathered unit, its unsharded
             gradient, the prefetched next unit) is a fraction of a block. ``"blocks"``: each block is one unit

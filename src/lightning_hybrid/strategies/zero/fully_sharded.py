@@ -57,7 +57,7 @@ class UnitRule:
         return self.cast if self.cast is not None and param.is_floating_point() else param.dtype
 
 
-def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool) -> None:
+def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool, meta_built: bool) -> None:
     """Refuse, with the names, what FSDP2 cannot shard; called on the whole module (before a pipeline cuts it),
     so every rank raises the same error."""
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
@@ -66,7 +66,7 @@ def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool)
             f"zero_stage=3 (FSDP2) cannot shard 0-dim parameters ({', '.join(scalars[:3])}): use zero_stage 0, 1 or 2"
             " (which keep them exact), or make each a 1-D tensor of one element."
         )
-    plan = planned_units(module, rule, pipelined=pipelined)
+    plan = planned_units(module, rule, pipelined=pipelined, meta_built=meta_built)
     dtypes: dict[str, dict[torch.dtype, str]] = {}
     for name, p in module.named_parameters():
         unit = unit_of(name, plan)
@@ -80,19 +80,20 @@ def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool)
             "zero_stage=3 (FSDP2) needs one dtype among the trainable parameters of each unit (it fails at the"
             f" first forward otherwise), and the unit {unit or type(module).__name__ + ' (its own parameters)'}"
             f" holds {held}. Give them one dtype, put each dtype in a child module of its own (under"
-            " ZeroConfig(shard_units='auto') or 'submodules' each child of a block is a unit), or use zero_stage"
-            " 0, 1 or 2."
+            " ZeroConfig(shard_units='auto') or 'submodules' each child of a block that has a forward is a"
+            " unit), or use zero_stage 0, 1 or 2."
         )
 
 
-def planned_units(module: nn.Module, rule: UnitRule, *, pipelined: bool) -> list[str]:
-    """The FSDP2 units :func:`shard_fully` makes of ``module`` (eager or built on the meta device and sharded
-    as it is materialised), by module path; ``""``: the root (a pipeline stage's own)."""
+def planned_units(module: nn.Module, rule: UnitRule, *, pipelined: bool, meta_built: bool = False) -> list[str]:
+    """The FSDP2 units :func:`shard_fully` makes of ``module``, by module path; ``""``: the root (a pipeline
+    stage's own). A pipeline's stages, and a module built on the meta device (each block of ``self.layers``
+    sharded as it is materialised), make every block holding parameters a unit, frozen ones too."""
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
     prefix = "layers." if layers is not None else ""
     out = [""]
     for name, block in (layers if layers is not None else module).named_children():
-        if not _shards_alone(block, pipelined or layers is not None):
+        if not _shards_alone(block, every_block=layers is not None and (pipelined or meta_built)):
             continue  # left in the root's unit
         out.append(f"{prefix}{name}")
         if rule.splits(block):
@@ -106,10 +107,10 @@ def unit_of(name: str, plan: list[str]) -> str:
     return max((u for u in plan if u == "" or name.startswith(f"{u}.")), key=len)
 
 
-def _shards_alone(block: nn.Module, in_layers: bool) -> bool:
-    """Whether a block is a unit of its own: every block of ``self.layers`` (or of a pipeline stage) that holds
-    parameters, frozen or not; without ``self.layers``, a child of the module with trainable parameters."""
-    if in_layers:
+def _shards_alone(block: nn.Module, *, every_block: bool) -> bool:
+    """Whether a block is a unit of its own: one with trainable parameters (a frozen one stays in the root's
+    unit, so unfreezing it later changes nothing for FSDP2), or with ``every_block`` any holding parameters."""
+    if every_block:
         return any(True for _ in block.parameters())
     return any(p.requires_grad for p in block.parameters())
 
@@ -130,6 +131,7 @@ class ShardingPlan:
 
     def __init__(self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, rule: UnitRule) -> None:
         self.rule = rule
+        self.casts_for_compute = bf16  # FSDP2 gathers parameters in bf16: a unit's gradient dtype is fixed
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         self.kwargs: dict[str, Any] = {
             "mesh": mesh,
@@ -171,7 +173,7 @@ class UnitGradients:
     FSDP2: its all-gather would wait; keep such a module inside a block's unit (``shard_units="blocks"``:
     under ``"auto"`` a child of a block is a unit once the block outgrows ``bucket_size_mb``)."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, cast_for_compute: bool = False) -> None:
         self.group = group
         self.used: set[str] = set()
         self.watched: set[str] = set()  # parameters of units whose inputs carry the hook
@@ -183,6 +185,8 @@ class UnitGradients:
                 if own:
                     self.names += own
                     unit.register_forward_pre_hook(functools.partial(self._pre_forward, prefix, unit, own))
+                elif cast_for_compute and _own_parameters(unit):
+                    unit.register_forward_pre_hook(functools.partial(_refuse_unfrozen, prefix or "root"))
 
     def _pre_forward(
         self, prefix: str, unit: nn.Module, own: list[str], module: nn.Module, args: tuple[Any, ...]
@@ -212,6 +216,23 @@ class UnitGradients:
         if flags.numel():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return {n for n, f in zip(self.names, flags.tolist()) if not f and n in names}
+
+
+def _refuse_unfrozen(name: str, unit: nn.Module, args: tuple[Any, ...]) -> None:
+    """A unit with no trainable parameter when FSDP2 first ran it, under a parameter dtype for compute (bf16
+    mixed precision): FSDP2 fixed its gradient dtype then, and a backward through a parameter made trainable
+    since fails inside FSDP2. Every rank unfreezes alike (a callback), so every rank refuses here alike."""
+    if not torch.is_grad_enabled():
+        return
+    trainable = [f"{name}.{n}" for n, p in _own_parameters(unit) if p.requires_grad]
+    if trainable:
+        raise RuntimeError(
+            f"{name} was frozen when zero_stage=3 sharded it as its own FSDP2 unit (it was built on the meta"
+            f" device, or in a pipeline stage), and now {', '.join(trainable[:3])} trainable: under bf16-mixed"
+            " FSDP2 fixed the unit's gradient dtype at its first forward, and its backward would fail. Leave"
+            " it trainable from the start (with a learning rate of 0 until it should learn), build the model"
+            " without the meta device and the pipeline, or use zero_stage 0, 1 or 2."
+        )
 
 
 class _NoteUsed(torch.autograd.Function):
@@ -252,6 +273,6 @@ def shard_fully(module: nn.Module, *, stages: list[nn.Module] | None, plan: Shar
         return
     layers = module.layers if isinstance(getattr(module, "layers", None), nn.Module) else None
     for block in layers.children() if layers is not None else module.children():
-        if _shards_alone(block, layers is not None):
+        if _shards_alone(block, every_block=False):  # blocks sharded as they were materialised stay units
             plan.shard_block(block)
     plan.shard(module)
