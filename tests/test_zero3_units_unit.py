@@ -191,3 +191,20 @@ def test_a_frozen_unit_made_trainable_under_bf16_is_refused_before_fsdp2_fails_i
         _train_step(frozen_block_unit(guard=True))
     with pytest.raises(RuntimeError, match="dtype"):  # without the guard: FSDP2 itself, inside backward
         _train_step(frozen_block_unit(guard=False))
+
+
+def test_a_block_without_forward_is_refused_by_name_before_fully_shard_or_a_stage_would_fail():
+    from lightning_hybrid.contract import check_pipeline_contract
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])])
+    model.pipeline_loss = lambda output, target: output.sum()
+    with pytest.raises(ValueError, match=r"layers.1 has no forward \(a ModuleList or ModuleDict\)"):
+        check_fully_shardable(model, UnitRule("auto", 25.0), pipelined=False, meta_built=False)
+    with pytest.raises(TypeError, match=r"layers.1 in `self.layers` has no forward"):
+        check_pipeline_contract(model)
+    # a ModuleList inside a block is no unit: its members stay in the block's unit
+    model.layers[1] = nn.Sequential(nn.Linear(4, 4))
+    model.layers[1].experts = nn.ModuleList([nn.Linear(4, 4)])
+    check_fully_shardable(model, UnitRule("submodules", 25.0), pipelined=False, meta_built=False)
+    check_pipeline_contract(model)

@@ -46,6 +46,13 @@ def check_pipeline_contract(module: nn.Module) -> None:
             f"{name} cannot be pipelined: define `pipeline_loss(self, output, target) -> Tensor` returning the"
             " mean loss over a micro-batch, or use pipeline_parallel_size=1."
         )
+    containers = [f"layers.{n}" for n, block in layers.named_children() if not _runs(block)]
+    if containers:
+        raise TypeError(
+            f"{name} cannot be pipelined: {', '.join(containers[:3])} in `self.layers` has no forward (a"
+            " ModuleList or ModuleDict), and a stage calls each of its blocks in turn. Wrap its members in a"
+            " module whose forward runs them, or use pipeline_parallel_size=1."
+        )
     inside = {id(p) for p in layers.parameters()}
     outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside]
     if outside:
@@ -136,3 +143,8 @@ def micro_batches(module: nn.Module, batch: Any, num_microbatches: int, device: 
             " use a batch size divisible by it (and drop_last=True if the last batch is shorter)."
         )
     return list(zip(split_batch(inputs, num_microbatches), split_batch(target, num_microbatches)))
+
+
+def _runs(module: nn.Module) -> bool:
+    """Whether ``module`` has a forward of its own (a ModuleList or ModuleDict has none)."""
+    return type(module).forward is not nn.Module.forward

@@ -67,6 +67,13 @@ def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool,
             " (which keep them exact), or make each a 1-D tensor of one element."
         )
     plan = planned_units(module, rule, pipelined=pipelined, meta_built=meta_built)
+    containers = [u for u in plan if u and type(module.get_submodule(u)).forward is nn.Module.forward]
+    if containers:
+        raise ValueError(
+            f"zero_stage=3 (FSDP2) shards each block as a unit, and {', '.join(containers[:3])} has no forward"
+            " (a ModuleList or ModuleDict), which FSDP2 cannot hook. Wrap its members in a module whose forward"
+            " runs them, or use zero_stage 0, 1 or 2."
+        )
     dtypes: dict[str, dict[torch.dtype, str]] = {}
     for name, p in module.named_parameters():
         unit = unit_of(name, plan)
