@@ -40,6 +40,10 @@ def _units(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
+def _check(module: nn.Module, rule: UnitRule) -> None:
+    check_fully_shardable(module, rule, planned_units(module, rule, pipelined=False), pipelined=False)
+
+
 def _plan(mesh, rule: UnitRule) -> ShardingPlan:
     return ShardingPlan(mesh, bf16=False, reshard_after_forward=True, rule=rule)
 
@@ -98,14 +102,14 @@ def _train_step(model: nn.Module) -> None:
 
 def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_hold_both(one_rank_group):
     auto = UnitRule("auto", 25.0)
-    check_fully_shardable(_two_dtypes(), auto, pipelined=False, meta_built=False)
+    _check(_two_dtypes(), auto)
     model = _two_dtypes()
     shard_fully(model, stages=None, plan=_plan(one_rank_group, auto))
     assert _units(model) == ["", "layers.0", "layers.0.linear", "layers.1"]
     _train_step(model)  # FSDP2 takes the split block
     with pytest.raises(ValueError, match=r"the unit layers.0 holds layers.0.offset \(bfloat16\),"
                        r" layers.0.linear.weight \(float32\).*shard_units='auto'"):  # fmt: skip
-        check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0), pipelined=False, meta_built=False)
+        _check(_two_dtypes(), UnitRule("blocks", 25.0))
     # what the refusal spares the user: FSDP2 takes the whole block and fails at the first forward
     model = _two_dtypes()
     shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("blocks", 25.0)))
@@ -116,20 +120,20 @@ def test_a_block_of_two_dtypes_is_split_by_auto_and_refused_where_a_unit_would_h
     model.layers[0].linear.bias.data = model.layers[0].linear.bias.data.double()
     for units in ("auto", "submodules"):
         with pytest.raises(ValueError, match=r"the unit layers.0.linear holds .*float64"):
-            check_fully_shardable(model, UnitRule(units, 25.0), pipelined=False, meta_built=False)
+            _check(model, UnitRule(units, 25.0))
 
 
 def test_a_frozen_parameter_of_another_dtype_and_a_cast_to_one_dtype_are_taken(one_rank_group):
     # FSDP2 counts trainable parameters only (a frozen bf16 base beside a trained fp32 adapter)
     for units in ("auto", "blocks", "submodules"):
-        check_fully_shardable(_two_dtypes(frozen_offset=True), UnitRule(units, 25.0), pipelined=False, meta_built=False)
+        _check(_two_dtypes(frozen_offset=True), UnitRule(units, 25.0))
     model = _two_dtypes(frozen_offset=True)
     shard_fully(model, stages=None, plan=_plan(one_rank_group, UnitRule("auto", 25.0)))
     assert _units(model) == ["", "layers.0", "layers.1"]  # one trainable dtype: the block stays whole
     _train_step(model)
     # a "-true" precision casts every floating parameter to one dtype before sharding: nothing to refuse, and
     # the sizes are the cast's (a 200 KB fp32 block is 100 KB of bf16, under a limit of 0.15 MB)
-    check_fully_shardable(_two_dtypes(), UnitRule("blocks", 25.0, torch.bfloat16), pipelined=False, meta_built=False)
+    _check(_two_dtypes(), UnitRule("blocks", 25.0, torch.bfloat16))
     assert "layers.1.attn" in planned_units(_gpt(64), UnitRule("auto", 0.15), pipelined=False)
     assert "layers.1.attn" not in planned_units(_gpt(64), UnitRule("auto", 0.15, torch.bfloat16), pipelined=False)
 
@@ -200,11 +204,11 @@ def test_a_block_without_forward_is_refused_by_name_before_fully_shard_or_a_stag
     model.layers = nn.ModuleList([nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])])
     model.pipeline_loss = lambda output, target: output.sum()
     with pytest.raises(ValueError, match=r"layers.1 has no forward \(a ModuleList or ModuleDict\)"):
-        check_fully_shardable(model, UnitRule("auto", 25.0), pipelined=False, meta_built=False)
+        _check(model, UnitRule("auto", 25.0))
     with pytest.raises(TypeError, match=r"layers.1 in `self.layers` has no forward"):
         check_pipeline_contract(model)
     # a ModuleList inside a block is no unit: its members stay in the block's unit
     model.layers[1] = nn.Sequential(nn.Linear(4, 4))
     model.layers[1].experts = nn.ModuleList([nn.Linear(4, 4)])
-    check_fully_shardable(model, UnitRule("submodules", 25.0), pipelined=False, meta_built=False)
+    _check(model, UnitRule("submodules", 25.0))
     check_pipeline_contract(model)

@@ -24,6 +24,7 @@ __all__ = [
     "check_pipeline_contract",
     "contract_batch",
     "find_ties",
+    "has_forward",
     "mark_cut",
     "micro_batches",
     "refuse_cut_module",
@@ -46,7 +47,7 @@ def check_pipeline_contract(module: nn.Module) -> None:
             f"{name} cannot be pipelined: define `pipeline_loss(self, output, target) -> Tensor` returning the"
             " mean loss over a micro-batch, or use pipeline_parallel_size=1."
         )
-    containers = [f"layers.{n}" for n, block in layers.named_children() if not _runs(block)]
+    containers = [f"layers.{n}" for n, block in layers.named_children() if not has_forward(block)]
     if containers:
         raise TypeError(
             f"{name} cannot be pipelined: {', '.join(containers[:3])} in `self.layers` has no forward (a"
@@ -145,6 +146,6 @@ def micro_batches(module: nn.Module, batch: Any, num_microbatches: int, device: 
     return list(zip(split_batch(inputs, num_microbatches), split_batch(target, num_microbatches)))
 
 
-def _runs(module: nn.Module) -> bool:
-    """Whether ``module`` has a forward of its own (a ModuleList or ModuleDict has none)."""
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` can be called: a forward of its own (a ModuleList or ModuleDict has none)."""
     return type(module).forward is not nn.Module.forward

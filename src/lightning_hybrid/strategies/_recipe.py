@@ -101,8 +101,8 @@ def prepare_module(
         check_pipeline_contract(module)
     unit_plan = None  # ZeRO-3's units, planned on the whole module (the tie check reads them)
     if layout.zero_stage == 3:
-        check_fully_shardable(module, rule, pipelined=pipelined, meta_built=meta_built)
         unit_plan = planned_units(module, rule, pipelined=pipelined, meta_built=meta_built)
+        check_fully_shardable(module, rule, unit_plan, pipelined=pipelined)
     ties = find_ties(module)
     stage_ids: list[int] = []
     stages: list[nn.Module] = []

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_hybrid.contract import has_forward
+
 __all__ = [
     "ShardingPlan",
     "UnitGradients",
@@ -57,17 +59,16 @@ class UnitRule:
         return self.cast if self.cast is not None and param.is_floating_point() else param.dtype
 
 
-def check_fully_shardable(module: nn.Module, rule: UnitRule, *, pipelined: bool, meta_built: bool) -> None:
-    """Refuse, with the names, what FSDP2 cannot shard; called on the whole module (before a pipeline cuts it),
-    so every rank raises the same error."""
+def check_fully_shardable(module: nn.Module, rule: UnitRule, plan: list[str], *, pipelined: bool) -> None:
+    """Refuse, with the names, what FSDP2 cannot shard into the units of ``plan`` (:func:`planned_units`);
+    called on the whole module (before a pipeline cuts it), so every rank raises the same error."""
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
     if scalars:
         raise ValueError(
             f"zero_stage=3 (FSDP2) cannot shard 0-dim parameters ({', '.join(scalars[:3])}): use zero_stage 0, 1 or 2"
             " (which keep them exact), or make each a 1-D tensor of one element."
         )
-    plan = planned_units(module, rule, pipelined=pipelined, meta_built=meta_built)
-    containers = [u for u in plan if u and type(module.get_submodule(u)).forward is nn.Module.forward]
+    containers = [u for u in plan if u and not has_forward(module.get_submodule(u))]
     if containers:
         raise ValueError(
             f"zero_stage=3 (FSDP2) shards each block as a unit, and {', '.join(containers[:3])} has no forward"
@@ -126,7 +127,7 @@ def _unit_child(child: nn.Module) -> bool:
     """A child of a split block is a unit if it runs (has its own forward: a ModuleList or ModuleDict of experts,
     branches or heads is no unit FSDP2 can hook, and its members may run on some replicas only, where a unit
     must run on every replica; their parameters stay in the block's unit) and holds parameters."""
-    return type(child).forward is not nn.Module.forward and any(True for _ in child.parameters())
+    return has_forward(child) and any(True for _ in child.parameters())
 
 
 class ShardingPlan:
@@ -138,13 +139,17 @@ class ShardingPlan:
 
     def __init__(self, mesh: DeviceMesh, *, bf16: bool, reshard_after_forward: bool, rule: UnitRule) -> None:
         self.rule = rule
-        self.casts_for_compute = bf16  # FSDP2 gathers parameters in bf16: a unit's gradient dtype is fixed
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
         self.kwargs: dict[str, Any] = {
             "mesh": mesh,
             "mp_policy": policy or MixedPrecisionPolicy(),
             "reshard_after_forward": reshard_after_forward,
         }
+
+    @property
+    def casts_for_compute(self) -> bool:
+        """FSDP2 gathers parameters in another dtype for compute (bf16): it fixes each unit's gradient dtype."""
+        return self.kwargs["mp_policy"].param_dtype is not None
 
     def shard(self, unit: nn.Module) -> None:
         if not isinstance(unit, FSDPModule):  # a block sharded as soon as it was materialised stays as it is
