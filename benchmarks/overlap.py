@@ -119,31 +119,32 @@ def _communication_alone(cfg: dict[str, Any], psi: int, device: Any) -> float:
     import torch
     import torch.distributed as dist
 
+    from lightning_hybrid.strategies.zero.collectives import gather_shards, reduce_to_owners
+
     spec, world, k = cfg["strategy"], dist.get_world_size(), cfg["accumulation"]
     n = -(-psi // world) * world
     flat = torch.randn(n, device=device)
     shard = torch.randn(n // world, device=device)
     outs = [torch.empty_like(shard) for _ in range(world)]
 
-    def reduce_to_owners() -> None:
-        for r in range(world):
-            dist.reduce(flat[r * (n // world) : (r + 1) * (n // world)], dst=r)
+    group, s = dist.group.WORLD, n // world
+    pieces = [(r, r * s, (r + 1) * s) for r in range(world)]
 
-    def one_step() -> None:
+    def one_step() -> None:  # ZeRO-1/2 with the pack's own collectives
         zero = None if isinstance(spec, str) else spec["zero_stage"]
         once = isinstance(spec, dict) and spec.get("zero", {}).get("reduce_gradients") == "once_per_step"
-        if spec == "ddp" or zero in (0, 1):
+        if spec == "ddp" or zero == 0:
             dist.all_reduce(flat)
-        elif zero == 2:
-            for _ in range(1 if once else k):
-                reduce_to_owners()
+        elif zero in (1, 2):
+            for _ in range(1 if once or zero == 1 else k):
+                reduce_to_owners(flat, pieces, group).wait()
         else:  # FSDP2: gather for forward and backward, reduce-scatter, every micro-batch
             for _ in range(k):
                 dist.all_gather(outs, shard)
                 dist.all_gather(outs, shard)
                 _reduce_scatter(shard, flat, world)
         if zero in (1, 2):
-            dist.all_gather(outs, shard)
+            gather_shards(flat, s, group).wait()
 
     return _timed(one_step, device)
 

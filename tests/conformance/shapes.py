@@ -210,7 +210,8 @@ class Backbone(Shape):
 class Manual(Shape):
     """Manual optimization: an auxiliary backward whose gradients are discarded with ``optimizer.zero_grad()``
     (as GAN and SAM-style loops do), then the loss's backward, a clip by the norm (small enough to act on
-    every step: it must see the replicas' mean gradient) and the step."""
+    every step: it must see the replicas' mean gradient), a second loss's backward whose gradient adds to the
+    clipped one (the step's gradients were made ready for the clip, and are made ready again), and the step."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -225,6 +226,7 @@ class Manual(Shape):
         loss = self.pipeline_loss(self(x), y)
         self.manual_backward(loss)
         self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        self.manual_backward(self(x).pow(2).mean() * 0.1)
         optimizer.step()
         optimizer.zero_grad()
         return loss

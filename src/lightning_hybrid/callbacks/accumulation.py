@@ -116,6 +116,7 @@ class AccumulationScheduler(Callback):
         self.scale = Fraction(1)  # K x scale is used: a resume on other replicas keeps the global batch
         self.last_adapt_step = 0
         self._in_window = 0
+        self._window_of_one = False
         self._exact_windows = False  # the strategy divides each window by its own element count
         self._small_sq: Union[float, None] = None
         self._micro_samples = 0
@@ -193,13 +194,16 @@ class AccumulationScheduler(Callback):
                 trainer.accumulate_grad_batches = wanted
                 self.last_adapt_step = trainer.global_step
         self._in_window = batch_idx % self.k + 1
+        # a window of one batch (the epoch's last, cut short): its first micro-batch is its whole batch
+        self._window_of_one = batch_idx + 1 == trainer.num_training_batches and self._in_window == 1
         self._micro_samples = _batch_size(batch) * _replicas(trainer)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # during accumulation DDP does not synchronise: after the window's first backward the gradient is
         # this rank's first micro-batch gradient divided by K (the noise scale's small batch)
-        if self.unit == "adaptive" and self._in_window == 1 and self.k > 1:
+        # (not in a window of one batch: its backward closes the window, and strategies reduce during it)
+        if self.unit == "adaptive" and self._in_window == 1 and self.k > 1 and not self._window_of_one:
             self._small_sq = _sq_norm(_current_gradients(trainer, pl_module)) * self.k**2
 
     @override

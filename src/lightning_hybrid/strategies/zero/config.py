@@ -35,9 +35,10 @@ class ZeroConfig:
             latency-bound, a larger peak where blocks are large.
         max_buckets_in_flight: ZeRO-0/1/2: gradient reductions started during backward and not yet waited
             for (each bucket's reduction starts as soon as backward completed it; starting one more first
-            waits for the oldest). ZeRO-0 and ZeRO-1 reduce in place (no memory for it); ZeRO-2 holds a
-            bucket's gradients until its reduction is done, so its buckets are ``bucket_size_mb /
-            (max_buckets_in_flight + 1)``: the bucket filling and those in flight hold ``bucket_size_mb``.
+            waits for the oldest). ZeRO-0 and ZeRO-1 reduce in place (on gloo a rank receives the others'
+            parts of its own shard into 4 MiB per reduction in flight); ZeRO-2 holds a bucket's gradients until
+            its reduction is done, so its buckets are ``bucket_size_mb / (max_buckets_in_flight + 1)``: the
+            bucket filling and those in flight hold ``bucket_size_mb``.
         overlap_reductions: ZeRO-0/1/2: ``True`` starts each bucket's reduction during backward, as soon as
             backward completed it (ZeRO-0/1 in the backward that closes the accumulation window, ZeRO-2 in
             every backward), so communication runs while the rest of backward computes. ``False`` starts them

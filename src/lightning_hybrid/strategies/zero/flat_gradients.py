@@ -1,10 +1,10 @@
 """ZeRO-1/2 gradients: where they live and how they reach each rank's shard, without full copies.
 
 - ZeRO-1 (:class:`FlatGradients`): one persistent flat gradient buffer per flat group; a parameter's
-  ``.grad`` is pointed at its part of it when backward first reaches the parameter (as DDP's
-  ``gradient_as_bucket_view``), so backward accumulates in place and the window's reduction is one
-  in-place all-reduce. No step copies the gradients.
-- ZeRO-2, ``reduce_gradients="every_microbatch"`` (:class:`BucketGradients`, DeepSpeed's choice): each
+  first gradient of the window is added into its part of it and ``.grad`` becomes that view (as DDP's
+  ``gradient_as_bucket_view``), so the window's later micro-batches accumulate in place; the window's last
+  backward reduces it bucket by bucket to the ranks whose shards each covers (a reduce-scatter).
+- ZeRO-2, ``reduce_gradients="every_microbatch"`` (``bucket_gradients.BucketGradients``, DeepSpeed's choice): each
   parameter's gradient is handed off into its bucket as soon as backward accumulated it; buckets are
   reduced to the ranks whose shards they cover and freed, so a rank never holds more of the full gradient
   than the buckets still waiting.
@@ -37,8 +37,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue, Finish, bucket_ranges
+from lightning_hybrid.strategies.zero.collectives import reduce_to_owners
 
-__all__ = ["BucketGradients", "FlatGradients", "GroupGradients", "WindowGradients"]
+__all__ = ["FlatGradients", "GroupGradients", "WindowGradients"]
 
 
 class GroupGradients(ABC):
@@ -113,17 +114,13 @@ class GroupGradients(ABC):
     # ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _absorb(self, flat: Tensor, *, link_all: bool) -> None:
+    def _absorb(self, flat: Tensor) -> None:
         """Add every gradient that is not a view of ``flat`` (a schedule that accumulated weight gradients
         itself) into it and make it a view. ``None`` only unlinks a gradient (Lightning's ``zero_grad`` between
-        a pipeline's backward and its own): the buffer keeps what accumulated; ``link_all`` links it again."""
+        a pipeline's backward and its own): the buffer keeps what accumulated."""
         for i, p in enumerate(self.params):
             segment = self.segment(flat, i)
-            if p.grad is None:
-                if link_all:
-                    p.grad = segment.view_as(p)
-                continue
-            if p.grad.data_ptr() != segment.data_ptr():
+            if p.grad is not None and p.grad.data_ptr() != segment.data_ptr():
                 segment.add_(p.grad.reshape(-1))
                 p.grad = segment.view_as(p)
 
@@ -158,35 +155,54 @@ class _AccumulatingGradients(GroupGradients):
 
 
 class FlatGradients(_AccumulatingGradients):
-    """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views. The window's last backward
-    all-reduces it bucket by bucket in the queue's order as backward completes each (``queue.armed``); a
-    window closed otherwise (manual optimization, a pipeline's schedule) is all-reduced when the step needs it."""
+    """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views while the window accumulates.
+    The window's last backward reduces it to the shards' owners bucket by bucket in the queue's order as
+    backward completes each (``queue.armed``); a window closed otherwise (manual optimization, a pipeline's
+    schedule) is reduced when the step needs it. Then each rank holds the replicas' mean of its own shard only
+    (what it steps), so ``param.grad`` is unlinked (as under ZeRO-2): the rest of the buffer holds this rank's
+    own sums. A reduce-scatter and the parameters' all-gather move what DDP's one all-reduce moves."""
 
     def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, names: list[str], **kwargs: Any) -> None:
         self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
         self.queue, self.names = queue, names
-        self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2])
+        world = dist.get_world_size(kwargs["group"])
+        self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
+        self._hooked_in = {id(bucket): 0 for bucket in self.buckets}
+        self._dirty = False  # the buffer holds something since it was last zeroed
+        self._reduced = False  # reduced, not stepped yet: this rank's shard holds the mean, the rest its own sums
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
     def _buffer(self) -> Tensor:
+        self._dirty = True
         return self.flat
 
     def _hook(self, index: int, param: nn.Parameter) -> None:
-        super()._hook(index, param)
+        # one hook, after autograd accumulated: the window's first gradient (autograd's own tensor) is added
+        # into the buffer and .grad becomes its view, so the window's later micro-batches accumulate in place
         param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+        self._hooked_in[id(self.buckets[self._bucket_of[index]])] += 1
 
+    @torch.no_grad()
     def _accumulated(self, index: int, param: Tensor) -> None:
+        bucket = self.buckets[self._bucket_of[index]]
+        if self.queue.armed and bucket.started:  # reduced or being reduced: this part would be added to the mean
+            self.queue.late = self.queue.late or self.names[index]
+            return
+        self._reopen()
+        segment, grad = self.segment(self._buffer(), index), self.params[index].grad
+        if grad is not None and grad.data_ptr() != segment.data_ptr():
+            segment.add_(grad.reshape(-1))
+            self.params[index].grad = segment.view_as(grad)
+        self.used[index] = True
         if self.queue.armed:
-            bucket = self.buckets[self._bucket_of[index]]
-            if bucket.started:  # already reduced or being reduced: this part would be added to the mean
-                self.queue.late = self.queue.late or self.names[index]
-                return
             bucket.arrived.add(index)
             self.queue.arrived()
 
     def complete(self, bucket: Bucket) -> bool:
+        if len(bucket.arrived) < self._hooked_in[id(bucket)]:  # a hooked member has not arrived yet
+            return False
         # a parameter unfrozen since the last step has no hook yet: its bucket waits for the end of backward
         return all(i in bucket.arrived for i in bucket.members if i in self.hooked or self.params[i].requires_grad)
 
@@ -195,51 +211,82 @@ class FlatGradients(_AccumulatingGradients):
 
     @torch.no_grad()
     def start_reduction(self, bucket: Bucket) -> Finish:
+        self._reopen()
         for i in bucket.members:  # a gradient that is not a view of the buffer (a schedule's own) goes in first
-            p, segment = self.params[i], self.segment(self.flat, i)
+            p, segment = self.params[i], self.segment(self._buffer(), i)
             if p.grad is not None and p.grad.data_ptr() != segment.data_ptr():
                 segment.add_(p.grad.reshape(-1))
                 p.grad = segment.view_as(p)
-        piece = self.flat[bucket.lo : bucket.hi]
-        work = dist.all_reduce(piece, group=self.group, async_op=True)
+        pending = reduce_to_owners(self.flat, bucket.owners, self.group)
         bucket.arrived, bucket.started = set(), True
 
         def finish() -> None:
-            assert work is not None
-            work.wait()
-            piece.div_(self.world)
+            pending.wait()
+            for owner, lo, hi in bucket.owners:
+                if owner == self.rank:
+                    self.flat[lo:hi].div_(self.world)
 
         return finish
 
     def after_backward(self) -> None:
         super().after_backward()
-        if not any(bucket.started for bucket in self.buckets):
-            self._absorb(self.flat, link_all=False)
+        if all(bucket.started for bucket in self.buckets):
+            # reduced during this backward: outside this rank's shard the buffer holds its own sums, not the
+            # mean, so ``.grad`` is unlinked before on_after_backward could read it (as under ZeRO-2)
+            for p in self.params:
+                p.grad = None
+        elif not any(bucket.started for bucket in self.buckets) and self._strays(self.flat):
+            self._reopen()
+            self._absorb(self._buffer())
+
+    @torch.no_grad()
+    def _reopen(self) -> None:
+        """Gradients arrive after the window was reduced and before its step (manual optimization clipped, then
+        ran another backward): the buffer becomes a sum again, so that reducing it once more adds the new
+        gradients to what was reduced (and clipped) before, exactly: this rank's shard back to the replicas'
+        sum, the rest (this rank's own sums, already counted) zero."""
+        if not self._reduced:
+            return
+        self._reduced = False
+        own = self._shard_slice()
+        self.flat[own].mul_(self.world)
+        self.flat[: own.start].zero_()
+        self.flat[own.stop :].zero_()
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        self._absorb(self.flat, link_all=True)
+        self._reopen()
+        self._absorb(self._buffer())
         if not all(bucket.started for bucket in self.buckets):  # not reduced during backward
-            dist.all_reduce(self.flat, group=self.group)
-            self.flat.div_(self.world)
+            s = self.shard_numel
+            reduce_to_owners(self.flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
+            self.flat[self._shard_slice()].div_(self.world)
         for bucket in self.buckets:
             bucket.started = False
-        # the full averaged gradient stays visible in param.grad for hooks and callbacks
         shard.grad = self.flat[self._shard_slice()]
+        for p in self.params:  # the buffer outside this rank's shard holds its own sums, not the mean
+            p.grad = None
+        self._reduced = True
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
-        self.flat.zero_()
+        self._zero()
         for p in self.params:
             p.grad = None
         super().after_step(shard)
 
     @torch.no_grad()
     def clear(self) -> None:
-        self.flat.zero_()
+        self._zero()
         for bucket in self.buckets:
             bucket.arrived, bucket.started = set(), False
         super().clear()
+
+    def _zero(self) -> None:
+        self._reduced = False
+        if self._dirty:  # zeroed at the step's end, and Lightning's zero_grad follows: once is enough
+            self.flat.zero_()
+            self._dirty = False
 
 
 class WindowGradients(_AccumulatingGradients):
@@ -259,119 +306,23 @@ class WindowGradients(_AccumulatingGradients):
         if self._strays(self.flat):
             if self.flat is None:
                 self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self._absorb(self.flat, link_all=False)
+            self._absorb(self.flat)
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
         if self.flat is None:  # no gradient through the hooks in this window
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self._absorb(self.flat, link_all=False)
-        # each rank's slice reduced to it in place (a reduce-scatter in N reductions: the same bytes on the wire,
-        # and no backend-side copy of the whole buffer), then only this rank's slice is kept
+        self._absorb(self.flat)
+        # each rank's slice reduced to it (a reduce-scatter), then only this rank's slice is kept
         s = self.shard_numel
-        for r in range(self.world):
-            dist.reduce(self.flat[r * s : (r + 1) * s], dst=dist.get_global_rank(self.group, r), group=self.group)
-        shard.grad = self.flat[self._shard_slice()].div_(self.world).clone()
+        reduce_to_owners(self.flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
+        mean = self.flat[self._shard_slice()].div_(self.world)
+        # reduced before in this window (manual optimization clipped, then ran another backward): added to it
+        shard.grad = mean.clone() if shard.grad is None else shard.grad.add_(mean)
         for p in self.params:
             p.grad = None
         self.flat = None  # the full gradient is gone before the step
 
     def clear(self) -> None:
         self.flat = None
-        super().clear()
-
-
-class BucketGradients(GroupGradients):
-    """ZeRO-2, every micro-batch: buckets reduced to their shards' owners during backward, in the queue's order."""
-
-    averaged_every_backward = True
-
-    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
-        self.queue = queue
-        # this rank's slice of the window's gradient: from the window's first reduction until the step
-        self.shard_grad: Tensor | None = None
-        params, offsets, padded = args[0], args[1], args[2]
-        world = dist.get_world_size(kwargs["group"])
-        self.buckets = bucket_ranges(params, offsets, padded, bucket_numel, shard_numel=padded // world)
-        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
-        super().__init__(*args, **kwargs)
-        queue.add(self, self.buckets)
-
-    def _hook(self, index: int, param: nn.Parameter) -> None:
-        param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-
-    @torch.no_grad()
-    def _accumulated(self, index: int, param: Tensor) -> None:
-        # hand the gradient off at once: into the bucket's buffer, and the parameter's own storage is freed
-        bucket = self.buckets[self._bucket_of[index]]
-        self._hand_off(bucket, index)
-        bucket.arrived.add(index)
-        self.queue.arrived()
-
-    def complete(self, bucket: Bucket) -> bool:
-        return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
-
-    def holds(self, bucket: Bucket) -> bool:
-        return bucket.buffer is not None or any(self.params[i].grad is not None for i in bucket.members)
-
-    def _hand_off(self, bucket: Bucket, index: int) -> None:
-        p = self.params[index]
-        if p.grad is None:
-            return
-        self.used[index] = True
-        if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
-        begin = self.offsets[index] - bucket.lo
-        bucket.buffer[begin : begin + p.numel()].add_(p.grad.reshape(-1))
-        p.grad = None
-
-    @torch.no_grad()
-    def start_reduction(self, bucket: Bucket) -> Finish:
-        """Start reducing ``bucket`` to its owners (called by the queue, in its order); the bucket's buffer is
-        freed when the returned function has waited for it and added this rank's part to its shard gradient."""
-        for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
-            self._hand_off(bucket, i)
-        if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
-        flat, lo0 = bucket.buffer, bucket.lo
-        works = []
-        for owner, lo, hi in bucket.owners:
-            piece, dst = flat[lo - lo0 : hi - lo0], dist.get_global_rank(self.group, owner)
-            works.append((owner, lo, hi, dist.reduce(piece, dst=dst, group=self.group, async_op=True)))
-        bucket.buffer, bucket.arrived = None, set()
-
-        def finish() -> None:
-            base = self.rank * self.shard_numel
-            for owner, lo, hi, work in works:
-                assert work is not None
-                work.wait()
-                if owner == self.rank:
-                    self._shard_grad()[lo - base : hi - base] += flat[lo - lo0 : hi - lo0]
-
-        return finish
-
-    def _shard_grad(self) -> Tensor:
-        if self.shard_grad is None:
-            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        return self.shard_grad
-
-    def reduce(self, shard: nn.Parameter) -> None:
-        # every bucket was reduced at the window's backward boundaries (the queue's owner made sure)
-        shard.grad = self._shard_grad().div_(self.world)  # in place
-
-    @torch.no_grad()
-    def after_step(self, shard: nn.Parameter) -> None:
-        # freed, not zeroed: the next window allocates it at its first reduction, after the forward
-        self.shard_grad = None
-        super().after_step(shard)
-
-    def local_gradients(self) -> list[Tensor]:
-        return [self._shard_grad() / self.world]  # the replicas' mean so far (disjoint shards)
-
-    def clear(self) -> None:
-        # what was already reduced lives in the shard gradients of every rank (each its own slice): discarded
-        # on every rank alike, since zero_grad is called on every rank
-        self.shard_grad = None
-        for bucket in self.buckets:
-            bucket.buffer, bucket.arrived = None, set()
         super().clear()

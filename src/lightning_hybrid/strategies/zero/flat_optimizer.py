@@ -30,13 +30,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_hybrid.optim.layerwise import TensorPartition
+from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
-from lightning_hybrid.strategies.zero.flat_gradients import (
-    BucketGradients,
-    FlatGradients,
-    GroupGradients,
-    WindowGradients,
-)
+from lightning_hybrid.strategies.zero.collectives import gather_shards
+from lightning_hybrid.strategies.zero.flat_gradients import FlatGradients, GroupGradients, WindowGradients
 from lightning_hybrid.strategies.zero.flat_state import FlatStateDict
 
 __all__ = ["FlatShardedOptimizer"]
@@ -65,7 +62,6 @@ class _FlatGroup:
     shard: nn.Parameter  # this rank's slice of `flat`
     grads: GroupGradients  # where the gradients live and how they reach `shard.grad`
     chunks: list[_Chunk]
-    gather: list[slice]  # the slice gathered back after the step, in bounded pieces
 
     @property
     def shard_numel(self) -> int:
@@ -195,7 +191,6 @@ class FlatShardedOptimizer(FlatStateDict):
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
                 chunks.append(_Chunk(i, a - base, b - base, nn.Parameter(shard.data[a - base : b - base])))
-        gather = [slice(a, min(a + step, shard_numel)) for a in range(0, shard_numel, step)]
         grads = self._gradients(params, offsets, padded, dtype, device)
         names = [self.names[p] for p in params]
         if self._adagrad:
@@ -204,7 +199,7 @@ class FlatShardedOptimizer(FlatStateDict):
                     "step": torch.zeros((), device=device) if pg.get("fused") else torch.tensor(0.0),
                     "sum": torch.full_like(c.tensor, pg["initial_accumulator_value"]),
                 }
-        return _FlatGroup(pg, params, names, offsets, flat, shard, grads, chunks, gather)
+        return _FlatGroup(pg, params, names, offsets, flat, shard, grads, chunks)
 
     def _gradients(
         self, params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
@@ -257,6 +252,7 @@ class FlatShardedOptimizer(FlatStateDict):
             return
         for g in self.groups:
             g.grads.clear()
+            g.shard.grad = None
             for c in g.chunks:
                 c.tensor.grad = None
         self._zero_grad(set_to_none)  # the .grad of what the groups hold now (a group not flattened yet too)
@@ -326,12 +322,9 @@ class FlatShardedOptimizer(FlatStateDict):
 
     @torch.no_grad()
     def scale_gradients(self, scale: float) -> None:
-        """Multiply the reduced gradients by ``scale`` (ZeRO-1: the whole flat gradient, which param.grad shows)."""
+        """Multiply the reduced gradients (this rank's shard of them) by ``scale``."""
         for g in self.groups:
-            flat = g.grads.flat if isinstance(g.grads, FlatGradients) else None
-            if flat is not None:
-                flat.mul_(scale)
-            elif g.shard.grad is not None:
+            if g.shard.grad is not None:
                 g.shard.grad.mul_(scale)
 
     @property
@@ -343,18 +336,9 @@ class FlatShardedOptimizer(FlatStateDict):
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Every rank's updated shard back into the full parameters, while the gradient buffers are cleared.
-        In place (the shard is its own slice of the output: no copy, nothing allocated on NCCL), except on gloo,
-        which stages the whole output: there a shard of several pieces is gathered piece by piece (a copy sent)."""
-        pending, gloo = [], str(dist.get_backend(self.group)) == "gloo"
-        for g in (g for g in self.groups if g.params):
-            size, base = g.shard_numel, self.rank * g.shard_numel
-            if gloo and len(g.gather) > 1:
-                for sl in g.gather:
-                    outputs = [g.flat[r * size + sl.start : r * size + sl.stop] for r in range(self.world)]
-                    dist.all_gather(outputs, g.flat[base + sl.start : base + sl.stop].clone(), group=self.group)
-                continue
-            pending.append(dist.all_gather_single(g.flat, g.flat[base : base + size], self.group, async_op=True))
+        """Every rank's updated shard back into the full parameters, in place (the shard is its own slice of the
+        output: nothing staged), while the gradient buffers are cleared."""
+        pending = [gather_shards(g.flat, g.shard_numel, self.group) for g in self.groups if g.params]
         for g in (g for g in self.groups if g.params):
             g.grads.after_step(g.shard)  # gradient buffers only: no gathered parameter among them
             for c in g.chunks:

@@ -1,0 +1,127 @@
+"""ZeRO-2's default gradients (``reduce_gradients="every_microbatch"``, DeepSpeed's choice): each parameter's
+gradient is handed off into its bucket as soon as backward accumulated it, and each bucket is reduced to the
+ranks whose shards it covers and freed, so a rank never holds more of the full gradient than the buckets
+still waiting. The rules every ZeRO-1/2 gradient follows are in ``flat_gradients``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue, Finish, bucket_ranges
+from lightning_hybrid.strategies.zero.collectives import reduce_to_owners
+from lightning_hybrid.strategies.zero.flat_gradients import GroupGradients
+
+__all__ = ["BucketGradients"]
+
+
+class BucketGradients(GroupGradients):
+    """ZeRO-2, every micro-batch: buckets reduced to their shards' owners during backward, in the queue's order."""
+
+    averaged_every_backward = True
+
+    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
+        self.queue = queue
+        # this rank's slice of the window's gradient: from the window's first reduction until the step; the
+        # replicas' sum, or their mean once the window was reduced (``averaged``)
+        self.shard_grad: Tensor | None = None
+        self.averaged = False
+        params, offsets, padded = args[0], args[1], args[2]
+        world = dist.get_world_size(kwargs["group"])
+        self.buckets = bucket_ranges(params, offsets, padded, bucket_numel, shard_numel=padded // world)
+        self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
+        super().__init__(*args, **kwargs)
+        queue.add(self, self.buckets)
+
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+
+    @torch.no_grad()
+    def _accumulated(self, index: int, param: Tensor) -> None:
+        # hand the gradient off at once: into the bucket's buffer, and the parameter's own storage is freed
+        bucket = self.buckets[self._bucket_of[index]]
+        self._hand_off(bucket, index)
+        bucket.arrived.add(index)
+        self.queue.arrived()
+
+    def complete(self, bucket: Bucket) -> bool:
+        return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
+
+    def holds(self, bucket: Bucket) -> bool:
+        return bucket.buffer is not None or any(self.params[i].grad is not None for i in bucket.members)
+
+    def _hand_off(self, bucket: Bucket, index: int) -> None:
+        p = self.params[index]
+        if p.grad is None:
+            return
+        self.used[index] = True
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        begin = self.offsets[index] - bucket.lo
+        bucket.buffer[begin : begin + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+
+    @torch.no_grad()
+    def start_reduction(self, bucket: Bucket) -> Finish:
+        """Start reducing ``bucket`` to its owners (called by the queue, in its order); the bucket's buffer is
+        freed when the returned function has waited for it and added this rank's part to its shard gradient."""
+        for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
+            self._hand_off(bucket, i)
+        if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        flat, lo0 = bucket.buffer, bucket.lo
+        pending = reduce_to_owners(flat, [(owner, lo - lo0, hi - lo0) for owner, lo, hi in bucket.owners], self.group)
+        bucket.buffer, bucket.arrived = None, set()
+
+        def finish() -> None:
+            pending.wait()
+            base = self.rank * self.shard_numel
+            for owner, lo, hi in bucket.owners:
+                if owner == self.rank:
+                    self._summed_shard_grad()[lo - base : hi - base] += flat[lo - lo0 : hi - lo0]
+
+        return finish
+
+    def _shard_grad(self) -> Tensor:
+        if self.shard_grad is None:
+            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self.shard_grad
+
+    def _summed_shard_grad(self) -> Tensor:
+        """The shard gradient as the replicas' sum, to add a reduction to: a window reduced before its step
+        (manual optimization clipped, then ran another backward) turns back into a sum first."""
+        grad = self._shard_grad()
+        if self.averaged:
+            grad.mul_(self.world)
+            self.averaged = False
+        return grad
+
+    def reduce(self, shard: nn.Parameter) -> None:
+        # every bucket was reduced at the window's backward boundaries (the queue's owner made sure)
+        grad = self._shard_grad()
+        if not self.averaged:
+            grad.div_(self.world)  # in place
+            self.averaged = True
+        shard.grad = grad
+
+    @torch.no_grad()
+    def after_step(self, shard: nn.Parameter) -> None:
+        # freed, not zeroed: the next window allocates it at its first reduction, after the forward
+        self.shard_grad, self.averaged = None, False
+        super().after_step(shard)
+
+    def local_gradients(self) -> list[Tensor]:
+        grad = self._shard_grad()
+        return [grad if self.averaged else grad / self.world]  # the replicas' mean so far (disjoint shards)
+
+    def clear(self) -> None:
+        # what was already reduced lives in the shard gradients of every rank (each its own slice): discarded
+        # on every rank alike, since zero_grad is called on every rank
+        self.shard_grad, self.averaged = None, False
+        for bucket in self.buckets:
+            bucket.buffer, bucket.arrived = None, set()
+        super().clear()
