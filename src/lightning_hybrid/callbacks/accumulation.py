@@ -195,7 +195,8 @@ class AccumulationScheduler(Callback):
                 self.last_adapt_step = trainer.global_step
         self._in_window = batch_idx % self.k + 1
         # a window of one batch (the epoch's last, cut short): its first micro-batch is its whole batch
-        self._window_of_one = batch_idx + 1 == trainer.num_training_batches and self._in_window == 1
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 == trainer.num_training_batches
+        self._window_of_one = last and self._in_window == 1
         self._micro_samples = _batch_size(batch) * _replicas(trainer)
 
     @override

@@ -40,11 +40,12 @@ class BucketGradients(GroupGradients):
     def _hook(self, index: int, param: nn.Parameter) -> None:
         param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
 
-    @torch.no_grad()
     def _accumulated(self, index: int, param: Tensor) -> None:
+        self._refuse_graph(index)
         # hand the gradient off at once: into the bucket's buffer, and the parameter's own storage is freed
         bucket = self.buckets[self._bucket_of[index]]
-        self._hand_off(bucket, index)
+        with torch.no_grad():
+            self._hand_off(bucket, index)
         bucket.arrived.add(index)
         self.queue.arrived()
 

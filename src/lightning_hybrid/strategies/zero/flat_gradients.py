@@ -56,8 +56,9 @@ class GroupGradients(ABC):
         group: dist.ProcessGroup,
         dtype: torch.dtype,
         device: torch.device,
+        names: list[str],
     ) -> None:
-        self.params, self.offsets, self.padded = params, offsets, padded
+        self.params, self.offsets, self.padded, self.names = params, offsets, padded, names
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard_numel = padded // self.world
@@ -76,6 +77,20 @@ class GroupGradients(ABC):
 
     @abstractmethod
     def _hook(self, index: int, param: nn.Parameter) -> None: ...
+
+    def _refuse_graph(self, index: int) -> None:
+        """Called when autograd accumulated a parameter's gradient: a backward with ``create_graph=True``
+        (grad mode on inside it) accumulates out of place (``.grad`` becomes a new tensor holding the earlier
+        gradient too) and keeps a graph a flat buffer cannot: refused, on every rank alike (each runs the same
+        backward)."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"backward(create_graph=True) reached {self.names[index]}: ZeRO-1/2 move gradients into flat"
+                " buffers, which keep no graph (and an out-of-place"
+                " accumulation would count an earlier micro-batch twice). For a gradient penalty use"
+                " torch.autograd.grad(..., create_graph=True), which does not accumulate into .grad; for"
+                " second-order training use zero_stage=0 or 3."
+            )
 
     def segment(self, flat: Tensor, index: int) -> Tensor:
         off, p = self.offsets[index], self.params[index]
@@ -139,6 +154,7 @@ class _AccumulatingGradients(GroupGradients):
 
     def _hook(self, index: int, param: nn.Parameter) -> None:
         param.register_hook(functools.partial(self._arriving, index))
+        param.register_post_accumulate_grad_hook(lambda _, i=index: self._refuse_graph(i))
 
     def _arriving(self, index: int, grad: Tensor) -> Tensor:
         # before backward accumulates: point .grad at the flat buffer, so it accumulates there in place
@@ -162,9 +178,9 @@ class FlatGradients(_AccumulatingGradients):
     (what it steps), so ``param.grad`` is unlinked (as under ZeRO-2): the rest of the buffer holds this rank's
     own sums. A reduce-scatter and the parameters' all-gather move what DDP's one all-reduce moves."""
 
-    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, names: list[str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
         self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
-        self.queue, self.names = queue, names
+        self.queue = queue
         world = dist.get_world_size(kwargs["group"])
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
@@ -184,8 +200,8 @@ class FlatGradients(_AccumulatingGradients):
         param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
         self._hooked_in[id(self.buckets[self._bucket_of[index]])] += 1
 
-    @torch.no_grad()
     def _accumulated(self, index: int, param: Tensor) -> None:
+        self._refuse_graph(index)
         bucket = self.buckets[self._bucket_of[index]]
         if self.queue.armed and bucket.started:  # reduced or being reduced: this part would be added to the mean
             self.queue.late = self.queue.late or self.names[index]
@@ -193,7 +209,8 @@ class FlatGradients(_AccumulatingGradients):
         self._reopen()
         segment, grad = self.segment(self._buffer(), index), self.params[index].grad
         if grad is not None and grad.data_ptr() != segment.data_ptr():
-            segment.add_(grad.reshape(-1))
+            with torch.no_grad():
+                segment.add_(grad.reshape(-1))
             self.params[index].grad = segment.view_as(grad)
         self.used[index] = True
         if self.queue.armed:

@@ -204,12 +204,13 @@ class FlatShardedOptimizer(FlatStateDict):
     def _gradients(
         self, params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
     ) -> GroupGradients:
-        kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device}
+        names = [self.names[p] for p in params]
+        kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device, "names": names}
         if self.zero_stage == 2 and self.reduce_mode == "once_per_step":
             return WindowGradients(params, offsets, padded, **kwargs)
         kwargs.update(bucket_numel=self.bucket_numel, queue=self.queue)
         if self.zero_stage == 1:
-            return FlatGradients(params, offsets, padded, names=[self.names[p] for p in params], **kwargs)
+            return FlatGradients(params, offsets, padded, **kwargs)
         return BucketGradients(params, offsets, padded, **kwargs)
 
     def swap_in(self) -> None:
