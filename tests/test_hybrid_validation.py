@@ -42,6 +42,7 @@ EXPECTED = {
     # raised where the head lives (rank 1), agreed: rank 0 raises it too instead of waiting in a collective
     "group_moved_on_one_stage": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
     "zero3_skip_on_one_rank": "training_step returned no loss on some data-parallel replicas only",
+    "zero1_skip_on_one_rank": "training_step returned no loss on some data-parallel replicas only",
 }
 
 

@@ -62,6 +62,7 @@ CASES: dict[str, dict[str, Any]] = {
     "group_moved_on_one_stage": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 1}, "move_group": True},
     # rank 1's training_step returns None on its second batch (after its forward)
     "zero3_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 3}, "skip_on_rank1": True},
+    "zero1_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip_on_rank1": True},
 }
 
 

@@ -55,24 +55,23 @@ class HybridStep:
         return loss
 
     def _refuse_skip_on_some_ranks(self, output: Any) -> None:
-        """A training_step that returned no loss (Lightning skips its backward) on some replicas only: under
-        ZeRO-3 the others would wait forever in FSDP2's reduce-scatter, which every replica's backward takes
-        part in. One flag agreed per micro-batch, under ZeRO-3 at dp>1 only (ZeRO-0/1/2 reduce when the window
-        closes, on every rank: a replica that skipped contributes no gradient, as a loss of zero would)."""
+        """A training_step that returned no loss (Lightning skips its backward) on some replicas only: the others'
+        backward starts collectives the skipping replica never joins (FSDP2's reduce-scatter under ZeRO-3, the
+        bucket reductions of ZeRO-0/1/2), so they would wait forever or pair the wrong messages. One flag agreed
+        per micro-batch at dp>1."""
         module = self.lightning_module
-        if self.layout.zero_stage != 3 or self.layout.data_parallel_size == 1 or module is None:
-            return
-        if not module.automatic_optimization:
+        if self.layout.data_parallel_size == 1 or module is None or not module.automatic_optimization:
             return
         loss = output.get("loss") if isinstance(output, dict) else output
         skipped = 0.0 if isinstance(loss, Tensor) else 1.0
         most, least = agree([skipped, -skipped], op="max", device=self.root_device, group=self.data_parallel_group)
         if most != -least:
             raise RuntimeError(
-                "training_step returned no loss on some data-parallel replicas only; under zero_stage=3 each"
-                " replica's backward takes part in FSDP2's reduce-scatter, so the others would wait in it forever."
-                " Skip a batch on every replica alike (decide it from an all-reduced flag), or return a loss of"
-                " zero (`loss * 0`) on the replicas that have nothing to learn from it."
+                "training_step returned no loss on some data-parallel replicas only; each replica's backward takes"
+                " part in the gradient reductions (zero_stage="
+                f"{self.layout.zero_stage}), so the others would wait in them forever. Skip a batch on every"
+                " replica alike (decide it from an all-reduced flag), or return a loss of zero (`loss * 0`) on the"
+                " replicas that have nothing to learn from it."
             )
 
     def _weigh_by_count(self, output: Any, batch: Any) -> Any:
