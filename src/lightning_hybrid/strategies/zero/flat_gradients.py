@@ -184,7 +184,6 @@ class FlatGradients(_AccumulatingGradients):
         world = dist.get_world_size(kwargs["group"])
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
-        self._hooked_in = {id(bucket): 0 for bucket in self.buckets}
         self._dirty = False  # the buffer holds something since it was last zeroed
         self._reduced = False  # reduced, not stepped yet: this rank's shard holds the mean, the rest its own sums
         super().__init__(*args, **kwargs)
@@ -198,7 +197,6 @@ class FlatGradients(_AccumulatingGradients):
         # one hook, after autograd accumulated: the window's first gradient (autograd's own tensor) is added
         # into the buffer and .grad becomes its view, so the window's later micro-batches accumulate in place
         param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-        self._hooked_in[id(self.buckets[self._bucket_of[index]])] += 1
 
     def _accumulated(self, index: int, param: Tensor) -> None:
         self._refuse_graph(index)
@@ -218,8 +216,6 @@ class FlatGradients(_AccumulatingGradients):
             self.queue.arrived()
 
     def complete(self, bucket: Bucket) -> bool:
-        if len(bucket.arrived) < self._hooked_in[id(bucket)]:  # a hooked member has not arrived yet
-            return False
         # a parameter unfrozen since the last step has no hook yet: its bucket waits for the end of backward
         return all(i in bucket.arrived for i in bucket.members if i in self.hooked or self.params[i].requires_grad)
 
