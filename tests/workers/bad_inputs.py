@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
 from lightning_hybrid.plugins import AdaptiveLossScalingPrecision
-from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, PipelineSplit
+from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, PipelineSplit, ZeroConfig
 
 
 class NoContract(L.LightningModule):
@@ -60,9 +60,30 @@ CASES: dict[str, dict[str, Any]] = {
     "ds_cut_twice": {"deepspeed": {}, "twice": True},
     # after the first step a callback moves the head's parameters (last stage only) into a group of their own
     "group_moved_on_one_stage": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 1}, "move_group": True},
-    # rank 1's training_step returns None on its second batch (after its forward)
-    "zero3_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 3}, "skip_on_rank1": True},
-    "zero1_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip_on_rank1": True},
+    # rank 1's training_step returns None on its second batch (after its forward): refused on both ranks
+    **{
+        f"zero{z}_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": z}, "skip": 1}
+        for z in range(4)
+    },
+    "zero2_once_skip_on_one_rank": {
+        "strategy": {"data_parallel_size": 2, "zero_stage": 2, "zero": {"reduce_gradients": "once_per_step"}},
+        "skip": 1,
+    },
+    # 2 micro-batches per step: the skipped one is the window's first (no reduction in its backward) or its last
+    **{
+        name: {
+            "strategy": {"data_parallel_size": 2, "zero_stage": z},
+            "skip": b,
+            "trainer": {"accumulate_grad_batches": 2},
+        }
+        for name, z, b in (
+            ("zero0_skip_accumulating", 0, 2),
+            ("zero1_skip_closing", 1, 3),
+            ("zero2_skip_accumulating", 2, 2),
+        )
+    },
+    # every rank skips the same batch: Lightning's own refusal, on every rank
+    "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
 }
 
 
@@ -81,12 +102,13 @@ class MoveHeadToNewGroup(Callback):
             optimizer.add_param_group({"params": moved, "lr": 0.01})
 
 
-def skip_on_rank1(step: Any) -> Any:
-    """``training_step`` that runs its forward everywhere, then returns None on rank 1's second batch."""
+def skipping(step: Any, skip: int, everywhere: bool) -> Any:
+    """``training_step`` that runs its forward everywhere, then returns None for batch ``skip`` on rank 1 (on
+    every rank if ``everywhere``)."""
 
     def training_step(batch: Any, batch_idx: int) -> Any:
         loss = step(batch, batch_idx)
-        return None if rank() == 1 and batch_idx == 1 else loss
+        return None if (everywhere or rank() == 1) and batch_idx == skip else loss
 
     return training_step
 
@@ -103,6 +125,8 @@ def make_strategy(case: dict[str, Any]) -> Any:
     if "deepspeed" in case:
         return DeepSpeedPipelineStrategy(pipeline_parallel_size=2, **case["deepspeed"])
     kwargs = dict(case["strategy"])
+    if "zero" in kwargs:
+        kwargs["zero"] = ZeroConfig(**kwargs["zero"])
     if "split" in kwargs:
         kwargs["split"] = PipelineSplit(**kwargs["split"])
     return HybridParallelStrategy(**kwargs)
@@ -126,15 +150,15 @@ def attempt(case: dict[str, Any]) -> str:
             )
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
-        if case.get("skip_on_rank1"):
-            model.training_step = skip_on_rank1(model.training_step)
+        if "skip" in case:
+            model.training_step = skipping(model.training_step, case["skip"], case.get("everywhere", False))
         callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
         if case.get("move_group"):
             callbacks.append(MoveHeadToNewGroup())
         if case.get("ft"):  # its default nan_policy, checkpoints under this job's own folder
             callbacks.append(FaultTolerantCheckpoint(dirpath=str(Path(OUT) / "ft-ckpt")))
         plugins = [AdaptiveLossScalingPrecision()] if case.get("plugin") else []
-        steps = 3 if case.get("move_group") or case.get("skip_on_rank1") else 1
+        steps = 3 if case.get("move_group") or "skip" in case else 1
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
             enable_checkpointing=bool(case.get("ft")), enable_progress_bar=False, enable_model_summary=False,
