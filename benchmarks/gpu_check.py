@@ -7,7 +7,8 @@ the overlap benchmark and the peak memory per ZeRO stage (``torch.cuda.max_memor
 Each check is one ``torchrun`` job of this file (``--worker``) training the example GPT for a few steps on
 fixed data; a multi-rank job is compared with the same global batch on one device (per-step losses and the
 final loss). Checks that need more devices than the node has, or a package that is missing, are listed as
-skipped with the reason. One table is printed and kept in ``benchmarks/results/gpu_check_<machine>.txt``.
+skipped with the reason. One table is printed and kept in ``benchmarks/results/``
+(``gpu_check_gpu.txt``; ``gpu_check_cpu.txt`` with ``--cpu``; ``gpu_check_dry_run.txt`` without a GPU).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -150,8 +153,17 @@ def main() -> None:
         worker(json.loads(args.worker.read_text()))
         return
     start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="lightning-hybrid-gpu-check-"))
+    try:
+        _check(args, start, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _check(args: argparse.Namespace, start: float, work: Path) -> None:
     n, machine = _devices(args.cpu)
-    table = _Table(args.out, f"gpu_check_{'cpu' if args.cpu or n == 0 else 'gpu'}.txt", machine)
+    kind = "cpu" if args.cpu else "gpu" if n else "dry_run"
+    table = _Table(args.out, f"gpu_check_{kind}.txt", machine)
     # on a GPU a model whose states dominate the peak (about 150M parameters); the CPU self-test a small one
     size = {"n_layer": 4, "d_model": 256} if args.cpu else {"n_layer": 12, "d_model": 1024}
     base = {"accelerator": "cpu" if args.cpu else "gpu", "batch_size": 8, **size}
@@ -168,8 +180,8 @@ def main() -> None:
         try:
             if key not in references:
                 cfg = {**base, "precision": key[0], "strategy": None, "batch_size": global_batch}
-                references[key] = run_job(__file__, cfg, 1, WORK / "reference")[0]["losses"]
-            reports = run_job(__file__, {**base, "precision": precision, "strategy": spec}, ranks, WORK / "job")
+                references[key] = run_job(__file__, cfg, 1, work / "reference")[0]["losses"]
+            reports = run_job(__file__, {**base, "precision": precision, "strategy": spec}, ranks, work / "job")
         except RuntimeError as exc:
             table.check(name, ranks, "FAILED", _last_error(str(exc)), failed=True)
             continue
@@ -178,9 +190,6 @@ def main() -> None:
     table.lines += _overlap(n, args.cpu, BUDGET_S + 60 - (time.monotonic() - start), table)
     table.finish(time.monotonic() - start)
     sys.exit(1 if table.failed or (n == 0 and not args.cpu and _nvidia_gpus()) else 0)
-
-
-WORK = Path("/tmp") / "lightning-hybrid-gpu-check"
 
 
 class _Table:

@@ -1,0 +1,47 @@
+"""The GPU check script on a machine without a GPU: its dry run, and its checks on 2 CPU processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, child_env
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_check import CHECKS
+
+
+def _gpu_check(tmp_path, *args: str, timeout: float) -> tuple[int, str, str]:
+    cmd = [sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, proc.stdout
+
+
+def test_gpu_check_dry_run_says_no_gpu_and_what_it_skipped(tmp_path):
+    code, out, table = _gpu_check(tmp_path, timeout=120)
+    assert code == 0, out[-4000:]
+    assert table.startswith("# gpu_check: no CUDA GPU"), table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0][2:] for r in rows] == list(CHECKS)  # every check named, none run
+    assert all(" | skipped | no CUDA GPU on this machine |" in r for r in rows), rows
+    assert "skipped: no CUDA GPU on this machine" in table  # the memory section
+    assert "overlap benchmark: skipped (no CUDA GPU on this machine" in table
+    assert (tmp_path / "gpu_check_dry_run.txt").read_text() == table  # kept where it was asked to be
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_gpu_check_cpu_self_test_runs_every_check_it_can(tmp_path):
+    # the checks themselves, on 2 CPU processes: each multi-rank job against one process with the same batch
+    code, out, table = _gpu_check(tmp_path, "--cpu", timeout=660)
+    assert code == 0, out[-6000:]
+    rows = {r.split(" | ")[0][2:]: r for r in table.splitlines() if r.startswith("| ") and "---" not in r}
+    fp32 = [name for name, (_, spec, precision, _) in CHECKS.items() if spec and precision == "32-true"]
+    for name in fp32:  # the same precision on one process: exact, with the difference printed
+        assert " | 2 | exact | max per-step loss difference " in rows[name], rows[name]
+    fp16 = rows["hybrid ZeRO-2, fp16 AdaptiveLossScaling"]
+    assert " | close | " in fp16 and "scaler state identical on every rank" in fp16, fp16
+    assert "overlap benchmark: skipped (run it alone on CPU" in table
+    assert table.rstrip().splitlines()[-1].startswith("0 failed; ")
+    assert (tmp_path / "gpu_check_cpu.txt").read_text() == table
