@@ -37,6 +37,7 @@ __all__ = [
     "recount_training_batches",
     "restart_train_iterator",
     "share_zero_grad",
+    "skips_backward",
     "syncs_batchnorm",
     "train_dataloaders",
 ]
@@ -160,6 +161,12 @@ def syncs_batchnorm(strategy: Any) -> bool:
     """Whether the Trainer asked the strategy to convert BatchNorm layers (``Trainer(sync_batchnorm=True)``
     sets ``Strategy._layer_sync``; lightning 2.6.6)."""
     return getattr(strategy, "_layer_sync", None) is not None
+
+
+def skips_backward(trainer: pl.Trainer) -> bool:
+    """Whether the training loop skips every backward now (``StochasticWeightAveraging``'s BatchNorm epoch sets
+    ``fit_loop._skip_backward``; lightning 2.6.6)."""
+    return bool(trainer.fit_loop._skip_backward)
 
 
 def grad_scaler(plugin: Precision) -> Any:

@@ -82,6 +82,10 @@ CASES: dict[str, dict[str, Any]] = {
             ("zero2_skip_accumulating", 2, 2),
         )
     },
+    # a backward that communicates beyond the buckets (a gather with gradients), a counted loss's first batch (its
+    # count is agreed after training_step): agreed at once
+    "zero0_skip_gather_with_grads": {"strategy": {"data_parallel_size": 2, "zero_stage": 0}, "skip": 1, "gather": True},
+    "zero1_skip_counted": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 0, "counted": True},
     # every rank skips the same batch: Lightning's own refusal, on every rank
     "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
 }
@@ -102,13 +106,17 @@ class MoveHeadToNewGroup(Callback):
             optimizer.add_param_group({"params": moved, "lr": 0.01})
 
 
-def skipping(step: Any, skip: int, everywhere: bool) -> Any:
-    """``training_step`` that runs its forward everywhere, then returns None for batch ``skip`` on rank 1 (on
-    every rank if ``everywhere``)."""
+def skipping(model: L.LightningModule, case: dict[str, Any]) -> Any:
+    """``training_step`` that runs its forward everywhere, then returns None for batch ``case["skip"]`` on rank 1
+    (on every rank with ``everywhere``); with ``gather``, the loss is the replicas' mean through
+    ``all_gather(sync_grads=True)`` (its backward communicates)."""
+    step, everywhere = model.training_step, case.get("everywhere", False)
 
     def training_step(batch: Any, batch_idx: int) -> Any:
         loss = step(batch, batch_idx)
-        return None if (everywhere or rank() == 1) and batch_idx == skip else loss
+        if case.get("gather"):
+            loss = model.all_gather(loss, sync_grads=True).mean()
+        return None if (everywhere or rank() == 1) and batch_idx == case["skip"] else loss
 
     return training_step
 
@@ -151,7 +159,9 @@ def attempt(case: dict[str, Any]) -> str:
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
         if "skip" in case:
-            model.training_step = skipping(model.training_step, case["skip"], case.get("everywhere", False))
+            model.training_step = skipping(model, case)
+        if case.get("counted"):  # a loss that is a mean over a count of elements (agreed every micro-batch)
+            model.pipeline_loss_count = lambda target: target.numel()
         callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
         if case.get("move_group"):
             callbacks.append(MoveHeadToNewGroup())

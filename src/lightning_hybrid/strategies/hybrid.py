@@ -153,6 +153,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._prepared: dict[int, Optimizer] = {}  # optimizers whose step's gradients are ready (_prepare_step)
         self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
         self._skips: Union[tuple[Any, Tensor, bool], None] = None  # a micro-batch's skip agreement, pending
+        self._gathered_with_gradients = False  # this training_step called all_gather(sync_grads=True)
+        self._sync_batchnorm: Union[tuple[nn.Module, bool], None] = None  # whether the module holds SyncBatchNorm
         self._buffers: Union[ReplicaBuffers, None] = None  # running statistics kept as DDP keeps them
         self._training_started = False  # a checkpoint loaded after this is a roll-back, not a resume
         self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_hybrid._lightning_compat import skips_backward
 from lightning_hybrid.contract import contract_batch
 from lightning_hybrid.strategies._state import (
     align_added_groups,
@@ -58,37 +59,50 @@ class HybridStep:
 
     def _agree_on_skips(self, output: Any) -> None:
         """A training_step that returned no loss (Lightning skips its backward) on some replicas only: the others'
-        backward starts collectives the skipping replica never joins (FSDP2's reduce-scatter under ZeRO-3, the
-        bucket reductions of ZeRO-0/1/2), so they would wait forever or pair the wrong messages. It is refused on
-        every rank by one flag per micro-batch at dp>1, reduced asynchronously: a skipping replica waits for it
-        at once, a replica with a loss only when its backward has ended, so the agreement adds no point where the
-        replicas wait for each other (one after the forward, at every micro-batch, cost ZeRO-0 about 3% of its
-        step on 2 CPU processes). Where the others' backward starts reductions, a skipping replica that finds
-        itself alone first joins them, as a backward that produced no gradient (ZeRO-0/1/2 start every bucket
-        at a backward's end, in one order): then every rank raises, and none is left waiting. ZeRO-3 (FSDP2
-        gathers parameters during backward) and a counted loss (its count is agreed next) wait at once."""
+        backward starts collectives the skipping replica never joins (the bucket reductions of ZeRO-0/1/2,
+        FSDP2's under ZeRO-3), so they would wait forever or pair the wrong messages. It is refused on every rank
+        by one flag per micro-batch at dp>1, all-reduced asynchronously: a skipping replica waits for it at once,
+        a replica with a loss once its backward has ended, so the agreement adds no point where the replicas
+        wait for each other (a synchronous flag after the forward of every micro-batch cost ZeRO-0 about 4% of
+        its step with 4 micro-batches on 2 CPU processes). A skipping replica that learns the others did not
+        skip first joins the reductions their backward starts, as a backward that produced no gradient would
+        (ZeRO-0/1/2 start every bucket by a backward's end, in one order); then every rank raises the same
+        message. Every replica waits at once, before any backward, where that backward communicates in ways a
+        skipping replica cannot join: ZeRO-3 (FSDP2 gathers parameters), ``nn.SyncBatchNorm`` modules, an
+        ``all_gather(..., sync_grads=True)`` in this training_step, a counted loss's first batch (its count is
+        agreed next), and no backward at all (``StochasticWeightAveraging``'s BatchNorm epoch). What this cannot
+        see, a collective of the model's own inside backward (an expert layer's all-to-all), hangs there as
+        under Lightning's DDP."""
         module = self.lightning_module
         if self.layout.data_parallel_size == 1 or module is None or not module.automatic_optimization:
             return
         loss = output.get("loss") if isinstance(output, dict) else output
         skipped = not isinstance(loss, Tensor)
+        at_once = (
+            self.layout.zero_stage == 3
+            or (self._counted is not None and self._counted.reference is None)
+            or self._gathered_with_gradients
+            or self._has_sync_batchnorm(module)
+            or skips_backward(module.trainer)
+        )
+        self._gathered_with_gradients = False
         flags = torch.tensor([float(skipped), -float(skipped)], dtype=torch.float64, device=self._flag_device)
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group, async_op=True)
-        self._skips = (work, flags, skipped)
-        if skipped or self.layout.zero_stage == 3 or self._counted is not None:
+        self._skips = (work, flags, skipped and not at_once)
+        if skipped or at_once:
             self._settle_skips()
 
     def _settle_skips(self) -> None:
         """Wait for the pending skip agreement, if any; raise on every rank when only some replicas skipped."""
         if self._skips is None:
             return
-        (work, flags, skipped), self._skips = self._skips, None
+        (work, flags, join), self._skips = self._skips, None
         if work is not None:
             work.wait()
         most, least = flags.tolist()
         if most == -least:
             return
-        if skipped and self.layout.zero_stage != 3:
+        if join:
             self._gradient_sync.after_backward()  # the reductions the others' backward starts, with nothing
         raise RuntimeError(
             "training_step returned no loss on some data-parallel replicas only; each replica's backward takes"
@@ -96,6 +110,17 @@ class HybridStep:
             " them forever. Skip a batch on every replica alike (decide it from an all-reduced flag), or return a"
             " loss of zero (`loss * 0`) on the replicas that have nothing to learn from it."
         )
+
+    def _has_sync_batchnorm(self, module: nn.Module) -> bool:
+        if self._sync_batchnorm is None or self._sync_batchnorm[0] is not module:
+            self._sync_batchnorm = (module, any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()))
+        return self._sync_batchnorm[1]
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        # with gradients: its backward communicates too (see _agree_on_skips)
+        self._gathered_with_gradients = self._gathered_with_gradients or sync_grads
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @property
     def _flag_device(self) -> torch.device:
