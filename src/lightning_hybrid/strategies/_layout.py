@@ -175,6 +175,11 @@ class Layout:
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         return global_rank // (dp * tp), (global_rank // tp) % dp, global_rank % tp
 
+    def data_parallel_groups(self) -> list[list[int]]:
+        """Every data-parallel group's global ranks, one group per pipeline and tensor-parallel coordinate."""
+        pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
+        return [[p * dp * tp + d * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
+
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's sizes and dimension names, row-major: data-parallel (and tensor-parallel) peers get
         adjacent global ranks, i.e. the same node. The tensor-parallel dimension exists only when it is > 1."""

@@ -154,6 +154,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
         self._skips: Union[tuple[Any, Tensor, bool], None] = None  # a micro-batch's skip agreement, pending
         self._gathered_with_gradients = False  # this training_step called all_gather(sync_grads=True)
+        self._flag_group: Union[dist.ProcessGroup, None] = None  # gloo, over this rank's data-parallel peers
         self._sync_batchnorm: Union[tuple[nn.Module, bool], None] = None  # whether the module holds SyncBatchNorm
         self._buffers: Union[ReplicaBuffers, None] = None  # running statistics kept as DDP keeps them
         self._training_started = False  # a checkpoint loaded after this is a roll-back, not a resume
@@ -228,6 +229,10 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         # same inputs on every rank -> the same verdict everywhere: bad sizes fail on all ranks, no hang
         self._layout = lay = self._request.resolve(world_size=self.world_size, num_nodes=self.num_nodes)
         self._mesh = lay.build_mesh(self.root_device.type)
+        if self._flag_group is None and lay.data_parallel_size > 1:
+            # the skip agreement over each data-parallel group on the host (gloo): on GPUs it never waits for the
+            # device (an NCCL flag would sync the host with the compute stream at every micro-batch)
+            self._flag_group, _ = dist.new_subgroups_by_enumeration(lay.data_parallel_groups(), backend="gloo")
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self._mesh)
         rank_zero_info(f"HybridParallelStrategy: {lay.describe()}")

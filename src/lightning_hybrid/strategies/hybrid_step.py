@@ -61,18 +61,20 @@ class HybridStep:
         """A training_step that returned no loss (Lightning skips its backward) on some replicas only: the others'
         backward starts collectives the skipping replica never joins (the bucket reductions of ZeRO-0/1/2,
         FSDP2's under ZeRO-3), so they would wait forever or pair the wrong messages. It is refused on every rank
-        by one flag per micro-batch at dp>1, all-reduced asynchronously: a skipping replica waits for it at once,
-        a replica with a loss once its backward has ended, so the agreement adds no point where the replicas
-        wait for each other (a synchronous flag after the forward of every micro-batch cost ZeRO-0 about 4% of
-        its step with 4 micro-batches on 2 CPU processes). A skipping replica that learns the others did not
-        skip first joins the reductions their backward starts, as a backward that produced no gradient would
-        (ZeRO-0/1/2 start every bucket by a backward's end, in one order); then every rank raises the same
-        message. Every replica waits at once, before any backward, where that backward communicates in ways a
-        skipping replica cannot join: ZeRO-3 (FSDP2 gathers parameters), ``nn.SyncBatchNorm`` modules, an
+        by one flag per micro-batch at dp>1, all-reduced asynchronously on the host (a gloo group of the
+        data-parallel peers, also on GPUs, so no device sync): a skipping replica waits for it at once, a
+        replica with a loss once its backward has ended, so the agreement adds no point where the replicas wait
+        for each other (a synchronous flag after the forward of every micro-batch cost ZeRO-0 about 4% of its
+        step with 4 micro-batches on 2 CPU processes). A skipping replica that learns the others did not skip
+        first joins the reductions their backward starts, as a backward that produced no gradient would (ZeRO-0/
+        1/2 start every bucket by a backward's end, in one order); then every rank raises the same message.
+        Every replica waits at once, before any backward, where that backward communicates in ways a skipping
+        replica cannot join: ZeRO-3 (FSDP2 gathers parameters), ``nn.SyncBatchNorm`` modules, an
         ``all_gather(..., sync_grads=True)`` in this training_step, a counted loss's first batch (its count is
         agreed next), and no backward at all (``StochasticWeightAveraging``'s BatchNorm epoch). What this cannot
-        see, a collective of the model's own inside backward (an expert layer's all-to-all), hangs there as
-        under Lightning's DDP."""
+        see, a collective of the model's own between training_step and the end of backward (an expert layer's
+        all-to-all, ``torch.distributed.nn`` functions, a synced ``self.log`` in ``on_before_backward``), hangs
+        there as under Lightning's DDP."""
         module = self.lightning_module
         if self.layout.data_parallel_size == 1 or module is None or not module.automatic_optimization:
             return
@@ -86,8 +88,8 @@ class HybridStep:
             or skips_backward(module.trainer)
         )
         self._gathered_with_gradients = False
-        flags = torch.tensor([float(skipped), -float(skipped)], dtype=torch.float64, device=self._flag_device)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group, async_op=True)
+        flags = torch.tensor([float(skipped), -float(skipped)], dtype=torch.float64)  # on the host, over gloo
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group, async_op=True)
         self._skips = (work, flags, skipped and not at_once)
         if skipped or at_once:
             self._settle_skips()
@@ -118,13 +120,11 @@ class HybridStep:
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        # with gradients: its backward communicates too (see _agree_on_skips)
-        self._gathered_with_gradients = self._gathered_with_gradients or sync_grads
+        # with gradients its backward communicates too (see _agree_on_skips); over the world only, so that every
+        # data-parallel peer counts the same gathers
+        if sync_grads and group in (None, dist.group.WORLD):
+            self._gathered_with_gradients = True
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-
-    @property
-    def _flag_device(self) -> torch.device:
-        return torch.device("cpu") if str(dist.get_backend(self.data_parallel_group)) == "gloo" else self.root_device
 
     def _weigh_by_count(self, output: Any, batch: Any) -> Any:
         """No pipeline, a counted loss: the rank's mean stays the value (as under DDP); backward sees it weighted
