@@ -155,7 +155,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._skips: Union[tuple[Any, Tensor, bool], None] = None  # a micro-batch's skip agreement, pending
         self._gathered_with_gradients = False  # this training_step called all_gather(sync_grads=True)
         self._flag_group: Union[dist.ProcessGroup, None] = None  # gloo, over this rank's data-parallel peers
-        self._sync_batchnorm: Union[tuple[nn.Module, bool], None] = None  # whether the module holds SyncBatchNorm
+        self._sync_batchnorm = False  # the module holds nn.SyncBatchNorm layers (set in setup)
         self._buffers: Union[ReplicaBuffers, None] = None  # running statistics kept as DDP keeps them
         self._training_started = False  # a checkpoint loaded after this is a roll-back, not a resume
         self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters
@@ -247,6 +247,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         if self._prepared_module is not module:
             self._prepare(module)
             self._prepared_module = module
+            self._sync_batchnorm = any(isinstance(m, nn.SyncBatchNorm) for m in module.modules())
         self.barrier()
         if syncs_batchnorm(self):
             # Lightning's SyncBatchNorm would reduce over the whole world (stages included) and is never applied

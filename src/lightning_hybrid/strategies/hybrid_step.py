@@ -84,7 +84,7 @@ class HybridStep:
             self.layout.zero_stage == 3
             or (self._counted is not None and self._counted.reference is None)
             or self._gathered_with_gradients
-            or self._has_sync_batchnorm(module)
+            or self._sync_batchnorm
             or skips_backward(module.trainer)
         )
         self._gathered_with_gradients = False
@@ -99,8 +99,7 @@ class HybridStep:
         if self._skips is None:
             return
         (work, flags, join), self._skips = self._skips, None
-        if work is not None:
-            work.wait()
+        work.wait()
         most, least = flags.tolist()
         if most == -least:
             return
@@ -112,11 +111,6 @@ class HybridStep:
             " them forever. Skip a batch on every replica alike (decide it from an all-reduced flag), or return a"
             " loss of zero (`loss * 0`) on the replicas that have nothing to learn from it."
         )
-
-    def _has_sync_batchnorm(self, module: nn.Module) -> bool:
-        if self._sync_batchnorm is None or self._sync_batchnorm[0] is not module:
-            self._sync_batchnorm = (module, any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()))
-        return self._sync_batchnorm[1]
 
     @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
@@ -187,7 +181,6 @@ class HybridStep:
                 out = closure()
             finally:
                 sync.window_closes(False)
-            self._settle_skips()
             self._prepare_step(optimizer)
             return out
 
