@@ -41,6 +41,8 @@ EXPECTED = {
     "ds_cut_twice": "was cut into pipeline stages by an earlier Trainer (fit, validate or test with a pipeline)",
     # raised where the head lives (rank 1), agreed: rank 0 raises it too instead of waiting in a collective
     "group_moved_on_one_stage": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
+    "group_moved_on_one_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
+    "group_moved_on_every_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (ranks 0, 1)",
     **{
         name: "training_step returned no loss on some data-parallel replicas only"
         for name in [f"zero{z}_skip_on_one_rank" for z in range(4)]

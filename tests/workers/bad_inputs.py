@@ -60,6 +60,10 @@ CASES: dict[str, dict[str, Any]] = {
     "ds_cut_twice": {"deepspeed": {}, "twice": True},
     # after the first step a callback moves the head's parameters (last stage only) into a group of their own
     "group_moved_on_one_stage": {"strategy": {"pipeline_parallel_size": 2, "zero_stage": 1}, "move_group": True},
+    # without a pipeline the failure is agreed by the step's reduction (no collective of its own): on one replica
+    # only, and on every replica
+    "group_moved_on_one_replica": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "move_group": "rank1"},
+    "group_moved_on_every_replica": {"strategy": {"data_parallel_size": 2, "zero_stage": 2}, "move_group": True},
     # rank 1's training_step returns None on its second batch (after its forward): refused on both ranks
     **{
         f"zero{z}_skip_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": z}, "skip": 1}
@@ -92,10 +96,14 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 class MoveHeadToNewGroup(Callback):
-    """Regroups parameters after set-up, which ZeRO-1/2 cannot reshard; only the last stage holds the head."""
+    """Regroups parameters after set-up, which ZeRO-1/2 cannot reshard; only the last stage holds the head
+    (``only_rank``: on that rank only)."""
+
+    def __init__(self, only_rank: int | None = None) -> None:
+        self.only_rank = only_rank
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step != 1:
+        if trainer.global_step != 1 or self.only_rank not in (None, rank()):
             return
         optimizer = trainer.optimizers[0]
         moved = [p for n, p in pl_module.named_parameters() if "head" in n]
@@ -164,7 +172,7 @@ def attempt(case: dict[str, Any]) -> str:
             model.pipeline_loss_count = lambda target: target.numel()
         callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
         if case.get("move_group"):
-            callbacks.append(MoveHeadToNewGroup())
+            callbacks.append(MoveHeadToNewGroup(1 if case["move_group"] == "rank1" else None))
         if case.get("ft"):  # its default nan_policy, checkpoints under this job's own folder
             callbacks.append(FaultTolerantCheckpoint(dirpath=str(Path(OUT) / "ft-ckpt")))
         plugins = [AdaptiveLossScalingPrecision()] if case.get("plugin") else []

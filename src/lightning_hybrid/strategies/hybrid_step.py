@@ -205,7 +205,7 @@ class HybridStep:
         sync = self._gradient_sync
         if self.layout.pipeline_parallel_size > 1:  # a group added on some stages only: empty on the others
             align_added_groups(optimizer, device=self.root_device)
-        sync.adopt_param_groups(optimizer)
+        sync.adopt_param_groups(optimizer, reduce_follows=True)
         sync.reduce(optimizer, scale=self._window_correction())
         sync.begin_step(optimizer)
         self._prepared[id(optimizer)] = optimizer

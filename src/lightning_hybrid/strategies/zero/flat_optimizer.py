@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
@@ -106,6 +107,7 @@ class FlatShardedOptimizer(FlatStateDict):
         # between a pipeline's backward (inside training_step) and Lightning's backward call, Lightning's
         # zero_grad at a window's first batch must not discard the gradients the schedule just produced
         self.hold = False
+        self.problem: str | None = None  # adopting added groups failed on this rank: agreed by reduce_gradients
         self._zero_grad = optimizer.zero_grad
         # the optimizer's zero_grad discards the flat buffers and buckets too (set on the instance: the optimizer
         # keeps its class and identity; Lightning and user code call it as before)
@@ -269,26 +271,34 @@ class FlatShardedOptimizer(FlatStateDict):
     def reduce_gradients(self) -> None:
         """The window closed: each rank's shard gets its slice of the replicas' mean gradient; parameters no
         rank produced a gradient for get none (not stepped). One small all-reduce checks that every rank
-        agrees on the groups and issued the same reductions; a second, only when some parameter went unused
-        on some rank, agrees on which."""
-        self.load_parameters_into_shards()  # a callback that rebound a parameter's .data: its values go back in
-        for g in self.groups:
-            g.grads.note_gradients()
-        used = [u for g in self.groups for u in g.grads.used]
-        n_params = len(used)
-        header = torch.tensor(
-            [
-                *(len(self.groups), -len(self.groups), n_params, -n_params),
-                *(self.queue.signature, -self.queue.signature),
-                int(self.queue.pending()),
-                int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
-                int(self.queue.late is not None),
-            ],
-            dtype=torch.int64,
-            device=self._device,
-        )
+        agrees on the groups, issued the same reductions and adopted added groups without a failure
+        (``problem``); a second, only when some parameter went unused on some rank, agrees on which."""
+        problem, self.problem = self.problem, None
+        header = torch.zeros(10, dtype=torch.int64)
+        if problem is None:  # a rank that failed to adopt a group only says so (its groups may be half built)
+            self.load_parameters_into_shards()  # a callback that rebound a parameter's .data: its values go back in
+            for g in self.groups:
+                g.grads.note_gradients()
+            used = [u for g in self.groups for u in g.grads.used]
+            header = torch.tensor(
+                [
+                    *(len(self.groups), -len(self.groups), len(used), -len(used)),
+                    *(self.queue.signature, -self.queue.signature),
+                    int(self.queue.pending()),
+                    int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
+                    int(self.queue.late is not None),
+                    0,
+                ],
+                dtype=torch.int64,
+            )
+        else:
+            header[-1] = 1
+        header = header.to(self._device)
         dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
-        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused, late = header.tolist()
+        *agreed, failed = header.tolist()
+        if failed:  # every rank raises the failures' messages, naming the ranks
+            raise_agreed(problem, RuntimeError, device=self._device)
+        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused, late = agreed
         if groups_max != -groups_min or params_max != -params_min:
             raise RuntimeError(
                 "The data-parallel ranks hold different parameter groups for this optimizer"

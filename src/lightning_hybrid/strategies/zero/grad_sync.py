@@ -98,8 +98,9 @@ class GradientSync:
     def end_step(self, optimizer: Optimizer) -> None:
         """The optimizer step is over (or failed)."""
 
-    def adopt_param_groups(self, optimizer: Optimizer) -> None:
-        """Take charge of param groups added to ``optimizer`` since set-up (before their state is loaded)."""
+    def adopt_param_groups(self, optimizer: Optimizer, *, reduce_follows: bool = False) -> None:
+        """Take charge of param groups added to ``optimizer`` since set-up (before their state is loaded);
+        ``reduce_follows``: ``reduce(optimizer)`` comes next on every rank, and may agree on a failure here."""
 
     def hold_gradients(self, hold: bool) -> None:
         """A pipeline's backward ran inside training_step: until Lightning's backward call, a zero_grad must not
@@ -228,20 +229,20 @@ class ReplicatedGradients(GradientSync):
         if dp == 1:
             return
         every = [p for group in optimizer.param_groups for p in group["params"]]
-        early, used = self._buckets.take() if self._buckets is not None else (set(), [])
+        early, used, totals = self._buckets.take() if self._buckets is not None else (set(), [], [])
         # reduced during backward, frozen since included (its zeros must not step it under weight decay)
         done = [p for p in every if self._index.get(p, -1) in early]
         params = [p for p in every if p.requires_grad and self._index.get(p, -1) not in early]
         if done:  # reduced during backward: those no replica had a gradient for are not stepped
-            mine = [used[self._index[p]] for p in done] + [self.queue.late is not None]
-            flags = torch.tensor(mine, dtype=torch.uint8, device=self._comm_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-            *anywhere_used, late = flags.tolist()
+            without_gradient, late = totals  # the replicas' sums, carried by the buckets' reductions
             if late:  # on every rank alike, before any rank steps
                 raise RuntimeError(self.queue.late_message())
-            for p, anywhere in zip(done, anywhere_used):
-                if not anywhere:
-                    p.grad = None
+            if without_gradient:  # some replica had none for some parameter: which ones, agreed
+                flags = torch.tensor([used[self._index[p]] for p in done], dtype=torch.uint8, device=self._comm_device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+                for p, anywhere in zip(done, flags.tolist()):
+                    if not anywhere:
+                        p.grad = None
             if not params:
                 return
         # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient

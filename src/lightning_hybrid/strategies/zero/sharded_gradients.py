@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -78,17 +79,22 @@ class ShardedOptimizerGradients(GradientSync):
         for sharded in self._sharded.values():
             sharded.hold = hold
 
-    def adopt_param_groups(self, optimizer: Optimizer) -> None:
+    def adopt_param_groups(self, optimizer: Optimizer, *, reduce_follows: bool = False) -> None:
         # a callback that moved a parameter between groups is refused where the parameter lives (one stage):
         # every rank raises alike instead of the others waiting in the step's collectives
         problem = None
+        sharded = self._sharded[id(optimizer)]
         try:
-            if self._sharded[id(optimizer)].sync_groups():  # a group added since: flattened and sharded now
+            if sharded.sync_groups():  # a group added since: flattened and sharded now
                 check_shardable(optimizer, self.zero_stage)
                 self._set_partition(optimizer)
         except Exception as exc:  # whatever it is, every rank stops with it
             problem = f"{type(exc).__name__}: {exc}"
-        raise_agreed(problem, RuntimeError, device=self.device)
+        if reduce_follows and not self.ties and dist.get_world_size(self.data_parallel_group) == dist.get_world_size():
+            # agreed by the reduction's first collective (over every rank here): no collective of its own
+            sharded.problem = problem
+        else:
+            raise_agreed(problem, RuntimeError, device=self.device)
 
     def begin_step(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].swap_in()
