@@ -177,7 +177,9 @@ def _overlap_ceiling(module: Any, cfg: dict[str, Any], psi: int, device: Any) ->
     return 1 - (b - c) / m  # below 0: the two together take longer than one after the other
 
 
-def worker(cfg: dict[str, Any]) -> None:
+def _fit(cfg: dict[str, Any], spec: Any, k: int) -> dict[str, Any]:
+    """One Trainer of ``spec`` with ``k`` micro-batches per step, fitted from the same seed and data: this rank's
+    median step time after warm-up (Lightning's batch start to batch end), and on a GPU its peak memory."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -187,64 +189,106 @@ def worker(cfg: dict[str, Any]) -> None:
 
     torch.manual_seed(0)
     data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
-    cfg["vocab_size"] = data.vocab_size
+    cfg = {**cfg, "strategy": spec, "vocab_size": data.vocab_size}
     model = _model(cfg)
     gpu = torch.cuda.is_available()
     times: list[float] = []
 
     class Probe(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx % cfg["accumulation"] == 0:
+            if batch_idx % k == 0:
                 self.t0 = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if (batch_idx + 1) % cfg["accumulation"] == 0:
+            if (batch_idx + 1) % k == 0:
                 if gpu:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - self.t0)
 
-    psi = sum(p.numel() for p in model.parameters())  # before fit: the whole model
     if gpu:  # this process's device first: a reset on the default device would open a context on device 0
         torch.cuda.set_device(cfg.get("device_index", int(os.environ.get("LOCAL_RANK", "0"))))
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", strategy=_strategy(cfg),
         devices=[cfg["device_index"]] if gpu and "device_index" in cfg else cfg["devices"],
         precision="bf16-mixed" if gpu else "32-true",
-        max_steps=cfg["steps"], accumulate_grad_batches=cfg["accumulation"], logger=False,
+        max_steps=cfg["steps"], accumulate_grad_batches=k, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Probe()],
     )  # fmt: skip
     trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True))
     step = statistics.median(times[cfg["warmup"] :])
-    report: dict[str, Any] = {"rank": trainer.global_rank, "step_time": step, "psi": psi}
-    if cfg["devices"] > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-        report["communication"] = _communication_alone(cfg, psi, device)
-        if cfg["strategy"] == "ddp":
-            report["ceiling"] = _overlap_ceiling(trainer.lightning_module, cfg, psi, device)
+    report: dict[str, Any] = {"step_time": step}
     if gpu:
-        tokens = cfg["batch_size"] * cfg["block_size"] * cfg["accumulation"] / step  # this rank's, per second
+        psi = cfg["psi"]
+        tokens = cfg["batch_size"] * cfg["block_size"] * k / step  # this rank's, per second
         # forward + backward per token: 6 per parameter, plus attention's scores and values (12 L T d)
         flops = (6 * psi + 12 * cfg["n_layer"] * cfg["block_size"] * cfg["d_model"]) * tokens
         report.update(tokens_per_s=tokens, mfu=flops / cfg["peak_flops"], peak_memory=torch.cuda.max_memory_allocated())
-    Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    """One round: every configuration of ``cfg["configs"]`` with every ``cfg["accumulation"]``, one Trainer after
+    the other in this one job, after an untimed one (the order rotated by ``cfg["shift"]``, so that a position's
+    bias falls on every configuration alike over the rounds); then each configuration's collectives timed
+    alone, and the machine's overlap ceiling."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, CharDataModule
+
+    vocab = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"]).vocab_size
+    size = {key: cfg[key] for key in ("block_size", "n_layer", "d_model")}
+    cfg["psi"] = psi = sum(p.numel() for p in GPT(vocab_size=vocab, n_head=8, **size).parameters())
+    names: list[str] = cfg["configs"]
+    shift = cfg.get("shift", 0) % len(names)
+    # untimed: the process's first Trainer is slower (its heap grows, first calls are compiled or cached), which
+    # would fall on whichever configuration comes first in the round
+    _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1)
+    runs = [
+        {"k": k, "name": name, **_fit(cfg, CONFIGS[name], k)}
+        for k in cfg["accumulation"]
+        for name in names[shift:] + names[:shift]
+    ]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report: dict[str, Any] = {"rank": rank, "psi": psi, "runs": runs, "communication": {}}
+    if cfg["devices"] > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        for name in names:
+            for k in cfg["accumulation"]:
+                spec = {**cfg, "strategy": CONFIGS[name], "accumulation": k}
+                report["communication"][f"{name}|{k}"] = _communication_alone(spec, psi, device)
+        torch.manual_seed(0)
+        module = GPT(vocab_size=vocab, n_head=8, dropout=0.0, **size).to(device)
+        report["ceiling"] = _overlap_ceiling(module, {**cfg, "vocab_size": vocab}, psi, device)
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(report))
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
 
-def _compute_alone(base: dict[str, Any], k: int, nproc: int, work: Path) -> float:
-    """The step time of the per-rank work without any collective: ``nproc`` one-process jobs at once (on the
-    host they share its cores as the ranks do; on a GPU node each has its device)."""
+def _compute_alone(base: dict[str, Any], nproc: int, work: Path) -> dict[int, float]:
+    """The step time of the per-rank work without any collective, per K: ``nproc`` one-process jobs at once (on
+    the host they share its cores as the ranks do; on a GPU node each has its device), each rank's median over
+    the rounds, the slowest rank's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = {**base, "strategy": "ddp", "accumulation": k}
+    cfg = {**base, "configs": ["DDP (Lightning)"]}
     with ThreadPoolExecutor(nproc) as pool:
         jobs = [
-            pool.submit(run_job, __file__, {**cfg, "device_index": i}, 1, work / f"alone-{i}") for i in range(nproc)
+            pool.submit(run_job, __file__, {**cfg, "device_index": i}, 1, work / f"alone-{i}", _budget(cfg))
+            for i in range(nproc)
         ]
-        return max(job.result()[0]["step_time"] for job in jobs)
+        per_rank = [job.result()[0]["runs"] for job in jobs]
+    return {k: max(r["step_time"] for runs in per_rank for r in runs if r["k"] == k) for k in base["accumulation"]}
+
+
+def _budget(cfg: dict[str, Any]) -> float:
+    """Seconds a job of ``cfg`` is allowed: generous for a slow machine, finite so that a hang ends."""
+    return 120 + len(cfg["configs"]) * sum(30 + 2 * cfg["steps"] * k for k in cfg["accumulation"])
 
 
 def _gpus() -> tuple[int, str, int]:
@@ -284,22 +328,27 @@ def main() -> None:
     if any(BASELINE.get(n) == FSDP2 for n in names) and FSDP2 not in names:
         names.insert(1, FSDP2)
     work = Path("/tmp") / "lightning-hybrid-overlap"
+    base["accumulation"] = [1] if args.quick else [1, 4]
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {}
     compute: dict[int, list[float]] = {}
+    ceilings: list[float] = []
     for round_ in range(args.repeats):
-        for k in (1,) if args.quick else (1, 4):
-            compute.setdefault(k, []).append(_compute_alone(base, k, nproc, work))
-            for n in names:
-                reports = run_job(__file__, {**base, "strategy": CONFIGS[n], "accumulation": k}, nproc, work / "job")
-                rows.setdefault((n, k), []).append(
-                    {
-                        "step": max(r["step_time"] for r in reports),
-                        "communication": max(r.get("communication", 0.0) for r in reports),
-                        "ceiling": min((r["ceiling"] for r in reports if "ceiling" in r), default=None),
-                        **{key: reports[0][key] for key in ("tokens_per_s", "mfu", "peak_memory") if key in reports[0]},
-                    }
-                )
-            print(f"round {round_ + 1}/{args.repeats}, K={k}: done", flush=True)
+        for k, seconds in _compute_alone(base, nproc, work).items():
+            compute.setdefault(k, []).append(seconds)
+        cfg = {**base, "configs": names, "shift": round_}
+        reports = run_job(__file__, cfg, nproc, work / "job", _budget(cfg))
+        ceilings.append(min(r["ceiling"] for r in reports))
+        for i, run in enumerate(reports[0]["runs"]):
+            n, k = run["name"], run["k"]
+            rows.setdefault((n, k), []).append(
+                {
+                    "step": max(r["runs"][i]["step_time"] for r in reports),
+                    "communication": max(r["communication"][f"{n}|{k}"] for r in reports),
+                    **{key: run[key] for key in ("tokens_per_s", "mfu", "peak_memory") if key in run},
+                }
+            )
+        print(f"round {round_ + 1}/{args.repeats}: done", flush=True)
+    rows = {(n, k): rows[(n, k)] for k in base["accumulation"] for n in names}  # the table's order
     lines = [
         f"# overlap: step time relative to the baseline, {machine}, GPT {size['n_layer']}x{size['d_model']},"
         f" per-rank batch {size['batch_size']}x{size['block_size']}, {args.repeats} interleaved rounds",
@@ -324,7 +373,6 @@ def main() -> None:
             last = runs[-1]
             line += f" {last['tokens_per_s']:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
         lines.append(line)
-    ceilings = [run["ceiling"] for runs in rows.values() for run in runs if run["ceiling"] is not None]
     lines += [
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
