@@ -42,6 +42,11 @@ EXPECTED = {
     # raised where the head lives (rank 1), agreed: rank 0 raises it too instead of waiting in a collective
     "group_moved_on_one_stage": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
     "group_moved_on_one_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
+    # found on rank 1 only, named on both
+    **{
+        f"zero{z}_late_gradient_on_one_rank": "overlap_reductions=False) to reduce when backward ends. (rank 1)"
+        for z in (0, 1)
+    },
     "group_moved_on_every_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (ranks 0, 1)",
     **{
         name: "training_step returned no loss on some data-parallel replicas only"

@@ -125,20 +125,3 @@ def test_bucket_ranges_partition_the_buffer_and_the_first_reduced_bucket_is_smal
         covered = sum(hi - lo for _, lo, hi in b.owners)
         assert covered == b.hi - b.lo and all(r * padded // world <= lo < hi <= (r + 1) * padded // world
                                               for r, lo, hi in b.owners)  # fmt: skip
-
-
-def test_a_held_last_bucket_starts_only_when_backward_ends():
-    # ZeRO-0: what the last bucket's reduction carries besides gradients (the late flag) is final only then
-    log: list[int] = []
-    buckets = [Bucket(0, 2, [0, 1], []), Bucket(2, 4, [2, 3], [])]
-    queue = BucketQueue()
-    queue.hold_last = True
-    queue.add(_Owner(log, {id(b): i for i, b in enumerate(buckets)}), buckets)  # type: ignore[arg-type]
-    buckets[1].arrived |= {2, 3}
-    queue.arrived()
-    buckets[0].arrived |= {0, 1}
-    queue.arrived()
-    assert log == [1]  # complete, but held
-    assert (queue.started_during_backward, queue.started_at_end) == (1, 0)
-    queue.end_backward()
-    assert log == [1, 0] and queue.started_at_end == 1

@@ -63,6 +63,11 @@ CASES: dict[str, dict[str, Any]] = {
     # without a pipeline the failure is agreed by the step's reduction (no collective of its own): on one replica
     # only, and on every replica
     "group_moved_on_one_replica": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "move_group": "rank1"},
+    # a backward in on_after_backward, on rank 1 only: its gradients would reach the mean after it was reduced
+    **{
+        f"zero{z}_late_gradient_on_one_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": z}, "late": True}
+        for z in (0, 1)
+    },
     "group_moved_on_every_replica": {"strategy": {"data_parallel_size": 2, "zero_stage": 2}, "move_group": True},
     # rank 1's training_step returns None on its second batch (after its forward): refused on both ranks
     **{
@@ -112,6 +117,14 @@ class MoveHeadToNewGroup(Callback):
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in ids]
             optimizer.add_param_group({"params": moved, "lr": 0.01})
+
+
+class BackwardAfterBackward(Callback):
+    """On rank 1 only, a second backward after the step's own (reaching the first parameter) from its second step."""
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step >= 1 and rank() == 1:
+            next(pl_module.parameters()).square().sum().backward()
 
 
 def skipping(model: L.LightningModule, case: dict[str, Any]) -> Any:
@@ -171,12 +184,14 @@ def attempt(case: dict[str, Any]) -> str:
         if case.get("counted"):  # a loss that is a mean over a count of elements (agreed every micro-batch)
             model.pipeline_loss_count = lambda target: target.numel()
         callbacks: list[Any] = [AccumulationScheduler(schedule={0: 2})] if case.get("accumulation") else []
+        if case.get("late"):
+            callbacks.append(BackwardAfterBackward())
         if case.get("move_group"):
             callbacks.append(MoveHeadToNewGroup(1 if case["move_group"] == "rank1" else None))
         if case.get("ft"):  # its default nan_policy, checkpoints under this job's own folder
             callbacks.append(FaultTolerantCheckpoint(dirpath=str(Path(OUT) / "ft-ckpt")))
         plugins = [AdaptiveLossScalingPrecision()] if case.get("plugin") else []
-        steps = 3 if case.get("move_group") or "skip" in case else 1
+        steps = 3 if case.get("move_group") or case.get("late") or "skip" in case else 1
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
             enable_checkpointing=bool(case.get("ft")), enable_progress_bar=False, enable_model_summary=False,

@@ -33,11 +33,13 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_hybrid._agree import agreed_problem
 
 __all__ = ["Bucket", "BucketOwner", "BucketQueue", "ReplicatedBuckets", "bucket_ranges"]
 
@@ -77,9 +79,6 @@ class BucketQueue:
         self.launch_in_backward = launch_in_backward
         self.max_in_flight = max_in_flight
         self.armed = True
-        # the last bucket in the order starts when backward ends, never during it (ZeRO-0: what its reduction
-        # carries besides gradients is complete only then); it holds backward's last gradients anyway
-        self.hold_last = False
         self._order: list[tuple[BucketOwner, Bucket]] = []
         self._next = 0  # the position in `_order` of the next bucket to reduce in this backward
         self._in_flight: deque[Finish] = deque()
@@ -102,8 +101,7 @@ class BucketQueue:
         """A gradient became complete: start every bucket that is next in the order and complete."""
         if not (self.launch_in_backward and self.armed):
             return
-        last = len(self._order) - self.hold_last
-        while self._next < last and self._order[self._next][0].complete(self._order[self._next][1]):
+        while self._next < len(self._order) and self._order[self._next][0].complete(self._order[self._next][1]):
             self._launch()
             self.started_during_backward += 1
 
@@ -132,6 +130,12 @@ class BucketQueue:
             " ZeroConfig(overlap_reductions=False) to reduce when backward ends."
         )
 
+    def raise_late(self, group: dist.ProcessGroup, device: torch.device) -> NoReturn:
+        """Some rank of ``group`` found a late gradient (agreed: every rank calls this): every rank raises the
+        same message, naming the parameters and the ranks that found them."""
+        problem = agreed_problem(self.late_message() if self.late else None, device=device, group=group)
+        raise RuntimeError(problem or self.late_message())
+
     def pending(self) -> bool:
         """Whether this rank holds gradients no reduction has taken yet."""
         return self._next > 0 or any(owner.holds(bucket) for owner, bucket in self._order)
@@ -149,12 +153,7 @@ class ReplicatedBuckets:
     """ZeRO-0: the replicas' mean gradient by one all-reduce per bucket, started during the window's last
     backward. A bucket's gradients are copied into one buffer, reduced, and become views of it (their own
     storage freed), as DDP's ``gradient_as_bucket_view``. The first window's backward order is recorded on
-    the group's first rank and, after that step, every rank rebuilds its buckets in it (as DDP does).
-
-    Each buffer ends with two more elements, summed with the gradients: how many of the bucket's parameters
-    this rank had no gradient for, and whether a gradient arrived late (see ``BucketQueue.late_message``).
-    The last bucket starts when backward has ended (``BucketQueue.hold_last``), so the late flag it carries is
-    final; the step reads the sums (:meth:`take`) and needs no collective of its own to agree on either."""
+    the group's first rank and, after that step, every rank rebuilds its buckets in it (as DDP does)."""
 
     def __init__(
         self,
@@ -170,14 +169,12 @@ class ReplicatedBuckets:
         self.buckets = self._plan(list(reversed(range(len(params)))))
         self.reduced: set[int] = set()  # parameter indices reduced in this window
         self.used = [False] * len(params)  # this rank had a gradient for it when its bucket was reduced
-        self.tallies: list[Tensor] = []  # per bucket reduced in this window: (parameters without a gradient, late)
         self._order: list[int] | None = []  # backward's order in the first window (None once applied)
         self._early = False  # a window was reduced during backward
         self._bucket_of: dict[int, Bucket] = {i: b for b in self.buckets for i in b.members}
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
         queue.add(self, self.buckets)
-        queue.hold_last = True
 
     def _plan(self, order: list[int]) -> list[Bucket]:
         """Consecutive parameters of ``order`` (one dtype and device) up to the bucket size, in that order."""
@@ -217,11 +214,7 @@ class ReplicatedBuckets:
         params = [self.params[i] for i in bucket.members]
         for i, p in zip(bucket.members, params):
             self.used[i] = p.grad is not None
-        # filled on the device (no host-to-device copy, which would wait for the compute stream)
-        tally = params[0].new_full((2,), float(sum(p.grad is None for p in params)))
-        tally[1:].fill_(float(self.queue.late is not None))
-        grads = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
-        flat = torch.cat([*grads, tally])
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params])
         for p in params:
             p.grad = None  # freed now; the bucket's views replace them when the reduction is done
         work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -236,19 +229,15 @@ class ReplicatedBuckets:
             for p in params:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            self.tallies.append(flat[offset:])
 
         return finish
 
-    def take(self) -> tuple[set[int], list[bool], list[float]]:
-        """The parameters reduced since the last call, whether this rank had a gradient for each, and the
-        replicas' (parameters without a gradient, late gradients) over those buckets, each > 0 where any
-        replica had one (the same on every replica; empty when nothing was reduced)."""
-        reduced, used, tallies = self.reduced, self.used, self.tallies
-        self.reduced, self.used, self.tallies = set(), [False] * len(self.params), []
+    def take(self) -> tuple[set[int], list[bool]]:
+        """The parameters reduced since the last call, and whether this rank had a gradient for each."""
+        reduced, used = self.reduced, self.used
+        self.reduced, self.used = set(), [False] * len(self.params)
         self._early = self._early or bool(reduced)
-        totals = torch.stack(tallies).float().sum(0).tolist() if tallies else []
-        return reduced, used, totals
+        return reduced, used
 
     def after_window(self) -> None:
         """The step used the window's gradients. After the first window reduced during backward (the same

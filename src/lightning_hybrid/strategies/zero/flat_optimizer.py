@@ -311,7 +311,7 @@ class FlatShardedOptimizer(FlatStateDict):
                 " on some ranks only). Use ZeroConfig(reduce_gradients='once_per_step')."
             )
         if late:
-            raise RuntimeError(self.queue.late_message())
+            self.queue.raise_late(self.group, self._device)
         if pending:  # gradients that no backward boundary took (every rank flushes, so the order holds)
             self.queue.end_backward()
         for g in self.groups:

@@ -229,20 +229,22 @@ class ReplicatedGradients(GradientSync):
         if dp == 1:
             return
         every = [p for group in optimizer.param_groups for p in group["params"]]
-        early, used, totals = self._buckets.take() if self._buckets is not None else (set(), [], [])
+        early, used = self._buckets.take() if self._buckets is not None else (set(), [])
         # reduced during backward, frozen since included (its zeros must not step it under weight decay)
         done = [p for p in every if self._index.get(p, -1) in early]
         params = [p for p in every if p.requires_grad and self._index.get(p, -1) not in early]
         if done:  # reduced during backward: those no replica had a gradient for are not stepped
-            without_gradient, late = totals  # the replicas' sums, carried by the buckets' reductions
+            # its own collective, at the step: a gradient can still arrive late after backward's end (a backward in
+            # on_after_backward), on some ranks only, and every rank must refuse before any steps
+            mine = [used[self._index[p]] for p in done] + [self.queue.late is not None]
+            flags = torch.tensor(mine, dtype=torch.uint8, device=self._comm_device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+            *anywhere_used, late = flags.tolist()
             if late:  # on every rank alike, before any rank steps
-                raise RuntimeError(self.queue.late_message())
-            if without_gradient:  # some replica had none for some parameter: which ones, agreed
-                flags = torch.tensor([used[self._index[p]] for p in done], dtype=torch.uint8, device=self._comm_device)
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-                for p, anywhere in zip(done, flags.tolist()):
-                    if not anywhere:
-                        p.grad = None
+                self.queue.raise_late(self.data_parallel_group, self._comm_device)
+            for p, anywhere in zip(done, anywhere_used):
+                if not anywhere:
+                    p.grad = None
             if not params:
                 return
         # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient
