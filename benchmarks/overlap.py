@@ -6,10 +6,11 @@
 One run measures, side by side on the same model and data: Lightning's DDP, Lightning's
 ``ModelParallelStrategy`` (FSDP2), and ``HybridParallelStrategy`` at ZeRO-0, ZeRO-1, ZeRO-2 (both
 ``reduce_gradients`` settings) and ZeRO-3 (default units and ``"submodules"``), each with K=1 and K=4
-micro-batches per step, as interleaved repeats (every configuration once per round, rounds repeated), so a
-slow moment of the machine falls on all of them alike. Each configuration is its own ``torchrun`` job of
-this file (``--worker``); the step time is the median over the steps after warm-up, measured from
-Lightning's batch start to batch end (the Lightning layer included).
+micro-batches per step, as interleaved repeats: a round is one ``torchrun`` job of this file (``--worker``)
+that fits every configuration in turn, seconds apart in the same processes (after an untimed Trainer, in an
+order rotated from round to round), so a slow moment of the machine falls on all of them alike; rounds are
+repeated. The step time is the median over the steps after warm-up, measured from Lightning's batch start to
+batch end (the Lightning layer included).
 
 Printed per row: the step time relative to DDP's in the same round (median over rounds, and the spread
 min-max), and the share of communication hidden behind compute:
@@ -377,7 +378,7 @@ def main() -> None:
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
         " all-reduce of the model's gradient size hidden behind one forward and backward when launched"
-        " asynchronously just before it, no strategy involved (median over the DDP jobs; below 0: the two at once"
+        " asynchronously just before it, no strategy involved (median over the rounds; below 0: the two at once"
         " take longer than one after the other). A hidden share above it is the noise of the step and compute"
         " times it is made of, not overlap.",
         "",
