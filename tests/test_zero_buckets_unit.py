@@ -125,3 +125,33 @@ def test_bucket_ranges_partition_the_buffer_and_the_first_reduced_bucket_is_smal
         covered = sum(hi - lo for _, lo, hi in b.owners)
         assert covered == b.hi - b.lo and all(r * padded // world <= lo < hi <= (r + 1) * padded // world
                                               for r, lo, hi in b.owners)  # fmt: skip
+
+
+def test_zero0_buckets_are_reduced_in_backwards_order_from_the_first_window():
+    # the plan is in backward's order (last-registered first, the first bucket small): the queue keeps it, so the
+    # first window's last layers start their reduction while backward still computes, as every later window's do
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_hybrid.strategies.zero.buckets import ReplicatedBuckets
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
+        params = list(model.parameters())
+        queue = BucketQueue()
+        owner = ReplicatedBuckets(
+            params, [str(i) for i in range(len(params))], bucket_bytes=20_000, group=dist.group.WORLD, queue=queue
+        )
+        order = [bucket for _, bucket in queue._order]
+        assert order == owner.buckets and len(order) > 2
+        assert order[0].members[0] == len(params) - 1  # the last layer's parameters first
+        arrived_at_start = []  # how many gradients backward had produced when each reduction started
+        start = owner.start_reduction
+        owner.start_reduction = lambda bucket: arrived_at_start.append(len(owner._order)) or start(bucket)
+        model(torch.randn(2, 64)).sum().backward()
+        queue.end_backward()
+        assert arrived_at_start == [4, 8, 12], arrived_at_start  # each bucket as soon as backward completed it
+    finally:
+        dist.destroy_process_group()

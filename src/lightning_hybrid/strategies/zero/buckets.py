@@ -174,7 +174,7 @@ class ReplicatedBuckets:
         self._bucket_of: dict[int, Bucket] = {i: b for b in self.buckets for i in b.members}
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
-        queue.add(self, self.buckets)
+        queue.add(self, self.buckets[::-1])  # the plan is in backward's order already; add() takes the reverse
 
     def _plan(self, order: list[int]) -> list[Bucket]:
         """Consecutive parameters of ``order`` (one dtype and device) up to the bucket size, in that order."""
