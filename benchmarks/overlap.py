@@ -273,8 +273,7 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def _compute_alone(base: dict[str, Any], nproc: int, work: Path) -> dict[int, float]:
     """The step time of the per-rank work without any collective, per K: ``nproc`` one-process jobs at once (on
-    the host they share its cores as the ranks do; on a GPU node each has its device), each rank's median over
-    the rounds, the slowest rank's."""
+    the host they share its cores as the ranks do; on a GPU node each has its device), the slowest one's."""
     from concurrent.futures import ThreadPoolExecutor
 
     cfg = {**base, "configs": ["DDP (Lightning)"]}

@@ -274,26 +274,21 @@ class FlatShardedOptimizer(FlatStateDict):
         agrees on the groups, issued the same reductions and adopted added groups without a failure
         (``problem``); a second, only when some parameter went unused on some rank, agrees on which."""
         problem, self.problem = self.problem, None
-        header = torch.zeros(10, dtype=torch.int64)
-        if problem is None:  # a rank that failed to adopt a group only says so (its groups may be half built)
+        values = [0] * 9 + [1]  # a rank that failed to adopt a group only says so (its groups may be half built)
+        if problem is None:
             self.load_parameters_into_shards()  # a callback that rebound a parameter's .data: its values go back in
             for g in self.groups:
                 g.grads.note_gradients()
             used = [u for g in self.groups for u in g.grads.used]
-            header = torch.tensor(
-                [
-                    *(len(self.groups), -len(self.groups), len(used), -len(used)),
-                    *(self.queue.signature, -self.queue.signature),
-                    int(self.queue.pending()),
-                    int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
-                    int(self.queue.late is not None),
-                    0,
-                ],
-                dtype=torch.int64,
-            )
-        else:
-            header[-1] = 1
-        header = header.to(self._device)
+            values = [
+                *(len(self.groups), -len(self.groups), len(used), -len(used)),
+                *(self.queue.signature, -self.queue.signature),
+                int(self.queue.pending()),
+                int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
+                int(self.queue.late is not None),
+                0,
+            ]
+        header = torch.tensor(values, dtype=torch.int64, device=self._device)
         dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
         *agreed, failed = header.tolist()
         if failed:  # every rank raises the failures' messages, naming the ranks
