@@ -6,11 +6,15 @@
 One run measures, side by side on the same model and data: Lightning's DDP, Lightning's
 ``ModelParallelStrategy`` (FSDP2), and ``HybridParallelStrategy`` at ZeRO-0, ZeRO-1, ZeRO-2 (both
 ``reduce_gradients`` settings) and ZeRO-3 (default units and ``"submodules"``), each with K=1 and K=4
-micro-batches per step, as interleaved repeats: a round is one ``torchrun`` job of this file (``--worker``)
-that fits every configuration in turn, seconds apart in the same processes (after an untimed Trainer, in an
-order rotated from round to round), so a slow moment of the machine falls on all of them alike; rounds are
-repeated. The step time is the median over the steps after warm-up, measured from Lightning's batch start to
-batch end (the Lightning layer included).
+micro-batches per step, and a second DDP Trainer (its ratio to the first is the measurement's own noise).
+A round is one ``torchrun`` job of this file (``--worker``) that fits every configuration of one K at once,
+each in a thread of the same processes, one optimizer step of each in turn, in an order shuffled anew each
+cycle (``--interleave steps``, the default without a GPU): the steps of every configuration are seconds apart
+all through the round, so a slow spell of the machine (on a shared 2-core host, 20% for tens of seconds)
+falls on all of them alike. On GPUs, whose model fills the device once, the configurations are fitted one
+after the other instead (``--interleave trainers``). Rounds are repeated, their order rotated. The step time
+is the median over the steps after warm-up, measured from Lightning's batch start to batch end
+(the Lightning layer included).
 
 Printed per row: the step time relative to DDP's in the same round (median over rounds, and the spread
 min-max), and the share of communication hidden behind compute:
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -39,6 +44,8 @@ from _jobs import publish, run_job, sharded_gpt  # noqa: E402
 # name: strategy spec ("ddp", "fsdp2", or HybridParallelStrategy kwargs)
 CONFIGS: dict[str, Any] = {
     "DDP (Lightning)": "ddp",
+    # a second, identical DDP Trainer: its ratio to the first is what the measurement itself varies by
+    "DDP (Lightning), again": "ddp",
     "FSDP2 (ModelParallelStrategy)": "fsdp2",
     "hybrid ZeRO-0": {"zero_stage": 0},
     "hybrid ZeRO-1": {"zero_stage": 1},
@@ -178,9 +185,10 @@ def _overlap_ceiling(module: Any, cfg: dict[str, Any], psi: int, device: Any) ->
     return 1 - (b - c) / m  # below 0: the two together take longer than one after the other
 
 
-def _fit(cfg: dict[str, Any], spec: Any, k: int) -> dict[str, Any]:
+def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me: str = "") -> dict[str, Any]:
     """One Trainer of ``spec`` with ``k`` micro-batches per step, fitted from the same seed and data: this rank's
-    median step time after warm-up (Lightning's batch start to batch end), and on a GPU its peak memory."""
+    median step time after warm-up (Lightning's batch start to batch end), and on a GPU its peak memory. With
+    ``turns``, it hands the process over to the next Trainer after each optimizer step (see :class:`_Turns`)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -205,6 +213,8 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int) -> dict[str, Any]:
                 if gpu:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - self.t0)
+                if turns is not None:
+                    turns.hand_over(me)
 
     if gpu:  # this process's device first: a reset on the default device would open a context on device 0
         torch.cuda.set_device(cfg.get("device_index", int(os.environ.get("LOCAL_RANK", "0"))))
@@ -230,11 +240,87 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int) -> dict[str, Any]:
     return report
 
 
+class _Turns:
+    """Trainers in threads of one process, one optimizer step at a time, in an order that is the same on every
+    rank: so each Trainer's collectives meet their peers', and the steps of every configuration are seconds
+    apart all through the round (a slow spell of the machine falls on all of them alike, where whole fits one
+    after the other each drew their own). Each cycle after the first runs them in a new order, shuffled from
+    ``seed`` and the cycle's number (the same on every rank): a step runs measurably faster or slower after
+    some configurations than after others (by 4% on 2 CPU processes, where one configuration always followed
+    the same one), and shuffling spreads that over every configuration alike. A thread runs only while it
+    holds the turn: its setup, a step, and its teardown (which may hold collectives too) run alone."""
+
+    def __init__(self, order: list[str], seed: int = 0) -> None:
+        import threading
+
+        self.active = list(order)
+        self.queue = list(order)  # this cycle's turns still to come; the head holds the process
+        self.cycle, self.seed = 0, seed
+        self.changed = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: bool(self.queue) and self.queue[0] == name)
+
+    def hand_over(self, name: str) -> None:
+        with self.changed:
+            assert self.queue[0] == name, (name, self.queue)
+            self.queue.pop(0)
+            self._next_cycle_if_done()
+        self.wait(name)
+
+    def leave(self, name: str) -> None:
+        with self.changed:
+            self.active.remove(name)
+            if name in self.queue:
+                self.queue.remove(name)
+            self._next_cycle_if_done()
+
+    def _next_cycle_if_done(self) -> None:
+        if not self.queue and self.active:
+            self.cycle += 1
+            self.queue = list(self.active)
+            random.Random(f"{self.seed} {self.cycle}").shuffle(self.queue)
+        self.changed.notify_all()
+
+
+def _lockstep(cfg: dict[str, Any], order: list[str], k: int, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Every configuration of ``order`` fitted at once, one optimizer step at a time (:class:`_Turns`)."""
+    import threading
+
+    turns = _Turns(order, seed)
+    reports: dict[str, dict[str, Any]] = {}
+    errors: dict[str, BaseException] = {}
+
+    def fit(name: str) -> None:
+        try:
+            turns.wait(name)
+            reports[name] = _fit(cfg, CONFIGS[name], k, turns, name)
+        except BaseException as error:  # reported below, once every other Trainer has finished
+            errors[name] = error
+        finally:
+            turns.leave(name)
+
+    threads = [threading.Thread(target=fit, args=(name,), name=f"overlap {name}") for name in order]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        name, error = next(iter(errors.items()))
+        raise RuntimeError(f"{name} (K={k}) failed: {error!r}") from error
+    return reports
+
+
 def worker(cfg: dict[str, Any]) -> None:
-    """One round: every configuration of ``cfg["configs"]`` with every ``cfg["accumulation"]``, one Trainer after
-    the other in this one job, after an untimed one (the order rotated by ``cfg["shift"]``, so that a position's
-    bias falls on every configuration alike over the rounds); then each configuration's collectives timed
-    alone, and the machine's overlap ceiling."""
+    """One round: every configuration of ``cfg["configs"]`` with every ``cfg["accumulation"]`` in this one job
+    (the order rotated by ``cfg["shift"]``, so that a position's bias falls on every configuration alike over
+    the rounds); then each configuration's collectives timed alone, and the machine's overlap ceiling.
+
+    ``cfg["interleave"]``: ``"steps"`` fits the configurations of one K at once, a step of each in turn
+    (:class:`_Turns`); ``"trainers"`` fits them one after the other, after an untimed one (the process's first
+    Trainer is slower: its heap grows, first calls are compiled or cached). ``"steps"`` holds every model at
+    once, so a GPU whose model fills it takes ``"trainers"``."""
     import torch
     import torch.distributed as dist
 
@@ -246,14 +332,15 @@ def worker(cfg: dict[str, Any]) -> None:
     cfg["psi"] = psi = sum(p.numel() for p in GPT(vocab_size=vocab, n_head=8, **size).parameters())
     names: list[str] = cfg["configs"]
     shift = cfg.get("shift", 0) % len(names)
-    # untimed: the process's first Trainer is slower (its heap grows, first calls are compiled or cached), which
-    # would fall on whichever configuration comes first in the round
-    _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1)
-    runs = [
-        {"k": k, "name": name, **_fit(cfg, CONFIGS[name], k)}
-        for k in cfg["accumulation"]
-        for name in names[shift:] + names[:shift]
-    ]
+    order = names[shift:] + names[:shift]
+    if cfg.get("interleave", "steps") == "steps":
+        runs = []
+        for k in cfg["accumulation"]:
+            reports = _lockstep(cfg, order, k, seed=shift)
+            runs += [{"k": k, "name": name, **reports[name]} for name in names]
+    else:
+        _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1)  # untimed (see above)
+        runs = [{"k": k, "name": name, **_fit(cfg, CONFIGS[name], k)} for k in cfg["accumulation"] for name in order]
     rank = dist.get_rank() if dist.is_initialized() else 0
     report: dict[str, Any] = {"rank": rank, "psi": psi, "runs": runs, "communication": {}}
     if cfg["devices"] > 1:
@@ -309,6 +396,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     parser.add_argument("--quick", action="store_true", help="DDP and ZeRO-0/1/2 with K=1 only (gpu_check.sh)")
+    parser.add_argument(
+        "--interleave", choices=["steps", "trainers"], default=None,
+        help="a step of each configuration in turn (default without a GPU), or one Trainer after the other"
+        " (default on GPUs, whose model would not fit once per configuration)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.worker is not None:
         worker(json.loads(args.worker.read_text()))
@@ -322,9 +414,10 @@ def main() -> None:
     if gpus:  # a model whose fp32 states and AdamW fill a good part of the device (1.2B or 150M parameters)
         big = memory >= 70 * 2**30 and not args.quick
         size = {"n_layer": 24 if big else 12, "d_model": 2048 if big else 1024, "block_size": 1024, "batch_size": 4}
-    base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12}
+    interleave = args.interleave or ("trainers" if gpus else "steps")
+    base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12, "interleave": interleave}
     only = ["hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch"] if args.quick else args.only
-    names = [n for n in CONFIGS if only is None or n in only or n == "DDP (Lightning)"]
+    names = [n for n in CONFIGS if only is None or n in only or n.startswith("DDP (Lightning)")]
     if any(BASELINE.get(n) == FSDP2 for n in names) and FSDP2 not in names:
         names.insert(1, FSDP2)
     work = Path("/tmp") / "lightning-hybrid-overlap"
@@ -351,7 +444,8 @@ def main() -> None:
     rows = {(n, k): rows[(n, k)] for k in base["accumulation"] for n in names}  # the table's order
     lines = [
         f"# overlap: step time relative to the baseline, {machine}, GPT {size['n_layer']}x{size['d_model']},"
-        f" per-rank batch {size['batch_size']}x{size['block_size']}, {args.repeats} interleaved rounds",
+        f" per-rank batch {size['batch_size']}x{size['block_size']}, {args.repeats} rounds of {args.steps} steps,"
+        f" interleaved by {'step' if interleave == 'steps' else 'Trainer'}",
         "",
         "| configuration | K | step / baseline (median, min-max) | baseline | comm alone / compute |"
         " hidden share | step (ms) |" + (" tokens/s per GPU | MFU | peak GiB |" if gpus else ""),
@@ -374,6 +468,8 @@ def main() -> None:
             line += f" {last['tokens_per_s']:.0f} | {last['mfu']:.1%} | {last['peak_memory'] / 2**30:.2f} |"
         lines.append(line)
     lines += [
+        "",
+        "DDP (Lightning), again: a second Trainer identical to the first; its ratio is the measurement's own noise.",
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
         " all-reduce of the model's gradient size hidden behind one forward and backward when launched"
