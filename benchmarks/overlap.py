@@ -34,6 +34,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,6 @@ from _jobs import publish, run_job, sharded_gpt  # noqa: E402
 # name: strategy spec ("ddp", "fsdp2", or HybridParallelStrategy kwargs)
 CONFIGS: dict[str, Any] = {
     "DDP (Lightning)": "ddp",
-    # a second, identical DDP Trainer: its ratio to the first is what the measurement itself varies by
-    "DDP (Lightning), again": "ddp",
     "FSDP2 (ModelParallelStrategy)": "fsdp2",
     "hybrid ZeRO-0": {"zero_stage": 0},
     "hybrid ZeRO-1": {"zero_stage": 1},
@@ -55,6 +54,9 @@ CONFIGS: dict[str, Any] = {
     "hybrid ZeRO-3": {"zero_stage": 3},
     # a unit per parameter-holding child of a block: less gathered at once, more (latency-bound) collectives
     "hybrid ZeRO-3 shard_units=submodules": {"zero_stage": 3, "zero": {"shard_units": "submodules"}},
+    # a second, identical DDP Trainer (last: fitted Trainer by Trainer, not right after the first): its ratio
+    # to the first is what the measurement itself varies by
+    "DDP (Lightning), again": "ddp",
 }
 FSDP2 = "FSDP2 (ModelParallelStrategy)"
 BASELINE = {FSDP2: None, "hybrid ZeRO-3": FSDP2, "hybrid ZeRO-3 shard_units=submodules": FSDP2}
@@ -290,25 +292,25 @@ def _lockstep(cfg: dict[str, Any], order: list[str], k: int, seed: int = 0) -> d
 
     turns = _Turns(order, seed)
     reports: dict[str, dict[str, Any]] = {}
-    errors: dict[str, BaseException] = {}
 
     def fit(name: str) -> None:
         try:
             turns.wait(name)
             reports[name] = _fit(cfg, CONFIGS[name], k, turns, name)
-        except BaseException as error:  # reported below, once every other Trainer has finished
-            errors[name] = error
-        finally:
-            turns.leave(name)
+        except BaseException:
+            # this process ends at once: if only this rank failed, the next Trainer's collectives here would
+            # pair with this one's on the other ranks (torchrun then stops them, and the round fails)
+            print(f"overlap.py: {name} (K={k}) failed on this rank:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        turns.leave(name)
 
     threads = [threading.Thread(target=fit, args=(name,), name=f"overlap {name}") for name in order]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    if errors:
-        name, error = next(iter(errors.items()))
-        raise RuntimeError(f"{name} (K={k}) failed: {error!r}") from error
     return reports
 
 
@@ -360,17 +362,22 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def _compute_alone(base: dict[str, Any], nproc: int, work: Path) -> dict[int, float]:
     """The step time of the per-rank work without any collective, per K: ``nproc`` one-process jobs at once (on
-    the host they share its cores as the ranks do; on a GPU node each has its device), the slowest one's."""
+    the host they share its cores as the ranks do; on a GPU node each has its device), the slowest one's. Each
+    job fits two identical Trainers, so that with ``interleave="steps"`` every step follows another Trainer's
+    as in the round (the median of the two)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = {**base, "configs": ["DDP (Lightning)"]}
+    cfg = {**base, "configs": ["DDP (Lightning)", "DDP (Lightning), again"]}
     with ThreadPoolExecutor(nproc) as pool:
         jobs = [
             pool.submit(run_job, __file__, {**cfg, "device_index": i}, 1, work / f"alone-{i}", _budget(cfg))
             for i in range(nproc)
         ]
         per_rank = [job.result()[0]["runs"] for job in jobs]
-    return {k: max(r["step_time"] for runs in per_rank for r in runs if r["k"] == k) for k in base["accumulation"]}
+    return {
+        k: max(statistics.median(r["step_time"] for r in runs if r["k"] == k) for runs in per_rank)
+        for k in base["accumulation"]
+    }
 
 
 def _budget(cfg: dict[str, Any]) -> float:
@@ -392,14 +399,16 @@ def main() -> None:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every configuration")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per job (the first 3 are warm-up)")
-    parser.add_argument("--only", nargs="*", default=None, help="configurations to run (names of the table)")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="configurations to run (names of the table; both DDP rows always run)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     parser.add_argument("--quick", action="store_true", help="DDP and ZeRO-0/1/2 with K=1 only (gpu_check.sh)")
     parser.add_argument(
         "--interleave", choices=["steps", "trainers"], default=None,
-        help="a step of each configuration in turn (default without a GPU), or one Trainer after the other"
-        " (default on GPUs, whose model would not fit once per configuration)",
+        help="a step of each configuration in turn (without a GPU, the default), or one Trainer after the other"
+        " (the only choice on GPUs: their model would not fit once per configuration)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.worker is not None:
@@ -415,6 +424,8 @@ def main() -> None:
         big = memory >= 70 * 2**30 and not args.quick
         size = {"n_layer": 24 if big else 12, "d_model": 2048 if big else 1024, "block_size": 1024, "batch_size": 4}
     interleave = args.interleave or ("trainers" if gpus else "steps")
+    if gpus and interleave == "steps":  # every model at once, and a CUDA device and peak per thread, not process
+        sys.exit("overlap.py --interleave steps is for CPU processes; on GPUs use --interleave trainers (the default).")
     base = {**size, "steps": args.steps, "warmup": 3, "peak_flops": args.peak_tflops * 1e12, "interleave": interleave}
     only = ["hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch"] if args.quick else args.only
     names = [n for n in CONFIGS if only is None or n in only or n.startswith("DDP (Lightning)")]

@@ -4,6 +4,7 @@ failed fit) hands the turn on instead of stopping the others. Threads only; no p
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 
@@ -75,3 +76,30 @@ def test_trainers_with_different_step_counts_all_finish():
     steps = {"DDP": 3, "DDP again": 7, "ZeRO-0": 1, "ZeRO-1": 5, "ZeRO-2": 7}
     ran = _run(_Turns(list(steps), seed=1), steps)
     assert {n: ran.count(n) for n in steps} == steps
+
+
+def test_a_trainer_failing_ends_the_process_at_once(tmp_path):
+    """A failure on one rank only must not let this rank's next Trainer pair its collectives with the failed
+    one's peers: the process exits non-zero at once (torchrun then stops the other ranks)."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import overlap\n"
+        "def fit(cfg, spec, k, turns, me):\n"
+        "    for step in range(3):\n"
+        "        print(me, 'step', step, flush=True)\n"
+        "        if me == 'hybrid ZeRO-1' and step == 1:\n"
+        "            raise ValueError('injected failure')\n"
+        "        turns.hand_over(me)\n"
+        "    return {'step_time': 1.0}\n"
+        "overlap._fit = fit\n"
+        "threading.Timer(20, lambda: print('still running', flush=True)).start()\n"
+        "overlap._lockstep({}, ['DDP (Lightning)', 'hybrid ZeRO-0', 'hybrid ZeRO-1'], 1)\n"
+        "print('returned', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "hybrid ZeRO-1 (K=1) failed on this rank" in proc.stderr and "injected failure" in proc.stderr
+    assert "returned" not in proc.stdout and "still running" not in proc.stdout
+    assert "step 1" in proc.stdout and "step 2" not in proc.stdout  # no Trainer ran another step after it
