@@ -362,12 +362,13 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def _compute_alone(base: dict[str, Any], nproc: int, work: Path) -> dict[int, float]:
     """The step time of the per-rank work without any collective, per K: ``nproc`` one-process jobs at once (on
-    the host they share its cores as the ranks do; on a GPU node each has its device), the slowest one's. Each
-    job fits two identical Trainers, so that with ``interleave="steps"`` every step follows another Trainer's
-    as in the round (the median of the two)."""
+    the host they share its cores as the ranks do; on a GPU node each has its device), the slowest one's. With
+    ``interleave="steps"`` each job fits two identical Trainers, so that every step follows another Trainer's as
+    in the round (the median of the two)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = {**base, "configs": ["DDP (Lightning)", "DDP (Lightning), again"]}
+    twice = ["DDP (Lightning), again"] if base["interleave"] == "steps" else []
+    cfg = {**base, "configs": ["DDP (Lightning)", *twice]}
     with ThreadPoolExecutor(nproc) as pool:
         jobs = [
             pool.submit(run_job, __file__, {**cfg, "device_index": i}, 1, work / f"alone-{i}", _budget(cfg))
