@@ -60,3 +60,109 @@ def test_two_micro_batches_accumulate_exactly(one_rank_group, stage, mode):
     got = torch.cat([g.shard.grad.reshape(-1)[: sum(p.numel() for p in g.params)] for g in sharded.groups])
     want = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+class _Branchy(nn.Module):
+    """``skip`` gets a gradient only from inputs with ``use_skip``; ``never`` gets none. In buckets of 16
+    elements: [body.weight, body.bias, skip.weight] and [skip.bias, never.weight, never.bias]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.skip, self.never = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_skip: bool) -> torch.Tensor:
+        return self.body(x).tanh() + (self.skip(x) if use_skip else 0)
+
+
+@pytest.fixture
+def nan_for_empty(monkeypatch):
+    """Every fresh ``torch.empty`` is NaN: a part read before it was written poisons what it reaches."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+
+
+def _branchy_zero2(group: dist.ProcessGroup) -> tuple[nn.Module, nn.Module, FlatShardedOptimizer]:
+    torch.manual_seed(0)
+    model, reference = _Branchy(), _Branchy()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = {p: n for n, p in model.named_parameters()}
+    sharded = FlatShardedOptimizer(
+        optimizer, names=names, group=group, zero_stage=2, reduce_gradients="every_microbatch", bucket_numel=16
+    )
+    assert [b.members for b in sharded.groups[0].grads.buckets] == [[0, 1, 2], [3, 4, 5]]
+    return model, reference, sharded
+
+
+def _flat_grads(module: nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in module.parameters()]
+    )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_zero2_buffers_are_written_before_they_are_read(one_rank_group, nan_for_empty, overlap):
+    """ZeRO-2's bucket buffers and shard gradient are allocated without zeroing (each part's first gradient is
+    copied in). A bucket part of which has no gradient in a micro-batch, a parameter that never gets one, and a
+    gradient in two parts in one backward (without overlap: several backwards before one boundary, as
+    reentrant checkpointing hands them off) all match plain autograd."""
+    model, reference, sharded = _branchy_zero2(one_rank_group)
+    sharded.queue.launch_in_backward = overlap
+    micro_batches = [[(torch.randn(5, 4), False)], [(torch.randn(5, 4), True), (torch.randn(5, 4), False)]]
+    if overlap:  # a second part would arrive after its bucket's reduction started: one part per backward
+        micro_batches = [[b] for parts in micro_batches for b in parts]
+    for parts in micro_batches:
+        for x, use_skip in parts:
+            model(x, use_skip).square().sum().backward()
+            reference(x, use_skip).square().sum().backward()
+        sharded.queue.end_backward()
+        sharded.after_backward()
+    sharded.reduce_gradients()
+    got = torch.cat([g.shard.grad.reshape(-1)[: sum(p.numel() for p in g.params)] for g in sharded.groups])
+    torch.testing.assert_close(got, _flat_grads(reference), rtol=0, atol=1e-6)
+
+
+def test_zero2_gradient_read_between_reductions_is_zero_where_unreduced(one_rank_group, nan_for_empty):
+    """The gradient so far (the noise scale's) read when one bucket is reduced and the other not yet: the
+    reduced part is its gradient, the rest zeros, and the window's gradient is still exact."""
+    _, _, untouched = _branchy_zero2(one_rank_group)
+    assert torch.equal(untouched.local_gradients()[0], torch.zeros(45))  # nothing reduced in the window yet
+    model, reference, sharded = _branchy_zero2(one_rank_group)
+    grads = sharded.groups[0].grads
+    sharded.queue.launch_in_backward = False
+    x = torch.randn(5, 4)
+    model(x, True).square().sum().backward()
+    reference(x, True).square().sum().backward()
+    grads.start_reduction(grads.buckets[1])()  # as the queue does: backward's first bucket first
+    want = _flat_grads(reference)
+    torch.testing.assert_close(sharded.local_gradients()[0], torch.cat([torch.zeros(27), want[27:]]), rtol=0, atol=0)
+    grads.start_reduction(grads.buckets[0])()
+    sharded.after_backward()
+    sharded.reduce_gradients()
+    torch.testing.assert_close(sharded.groups[0].shard.grad, want, rtol=0, atol=1e-6)
+
+
+def test_zero2_padding_is_reduced_as_zeros(one_rank_group, nan_for_empty):
+    """The flat buffer's padding (to a multiple of the group size) lies in the last bucket and gets no gradient:
+    it is reduced as zeros, so a norm over the shard (clipping) is the gradient's."""
+    from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
+    from lightning_hybrid.strategies.zero.buckets import BucketQueue
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    queue = BucketQueue()
+    grads = BucketGradients(
+        list(layer.parameters()), [0, 12], 20, group=one_rank_group, dtype=torch.float32, device=torch.device("cpu"),
+        names=["weight", "bias"], bucket_numel=100, queue=queue,
+    )  # fmt: skip
+    assert [(b.lo, b.hi) for b in grads.buckets] == [(0, 20)]
+    reference = nn.Linear(4, 3)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 4)
+    layer(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    want = torch.cat([reference.weight.grad.reshape(-1), reference.bias.grad.reshape(-1), torch.zeros(5)])
+    queue.end_backward()
+    shard = nn.Parameter(torch.zeros(20))
+    grads.reduce(shard)
+    torch.testing.assert_close(shard.grad, want, rtol=0, atol=0)

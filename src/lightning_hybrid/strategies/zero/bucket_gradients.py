@@ -29,6 +29,7 @@ class BucketGradients(GroupGradients):
         # this rank's slice of the window's gradient: from the window's first reduction until the step; the
         # replicas' sum, or their mean once the window was reduced (``averaged``)
         self.shard_grad: Tensor | None = None
+        self._shard_written: set[int] = set()  # the buckets (by ``lo``) whose part of it holds a reduction
         self.averaged = False
         params, offsets, padded = args[0], args[1], args[2]
         world = dist.get_world_size(kwargs["group"])
@@ -60,11 +61,26 @@ class BucketGradients(GroupGradients):
         if p.grad is None:
             return
         self.used[index] = True
-        if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        if bucket.buffer is None:  # not zeroed: each member's first gradient is copied in, the rest added
+            bucket.buffer = torch.empty(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
         begin = self.offsets[index] - bucket.lo
-        bucket.buffer[begin : begin + p.numel()].add_(p.grad.reshape(-1))
+        segment = bucket.buffer[begin : begin + p.numel()]
+        if index in bucket.written:  # a second part in one backward (reentrant checkpointing, overlap off)
+            segment.add_(p.grad.reshape(-1))
+        else:
+            segment.copy_(p.grad.reshape(-1))
+            bucket.written.add(index)
         p.grad = None
+
+    def _zero_unwritten(self, bucket: Bucket) -> None:
+        """Zeros where no gradient was handed off: members without one on this rank, and the padding."""
+        assert bucket.buffer is not None
+        for i in bucket.members:
+            if i not in bucket.written:
+                begin = self.offsets[i] - bucket.lo
+                bucket.buffer[begin : begin + self.params[i].numel()].zero_()
+        last = bucket.members[-1]
+        bucket.buffer[self.offsets[last] + self.params[last].numel() - bucket.lo :].zero_()
 
     @torch.no_grad()
     def start_reduction(self, bucket: Bucket) -> Finish:
@@ -74,28 +90,49 @@ class BucketGradients(GroupGradients):
             self._hand_off(bucket, i)
         if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+        else:
+            self._zero_unwritten(bucket)
         flat, lo0 = bucket.buffer, bucket.lo
         pending = reduce_to_owners(flat, [(owner, lo - lo0, hi - lo0) for owner, lo, hi in bucket.owners], self.group)
-        bucket.buffer, bucket.arrived = None, set()
+        bucket.buffer, bucket.arrived, bucket.written = None, set(), set()
 
         def finish() -> None:
             pending.wait()
             base = self.rank * self.shard_numel
             for owner, lo, hi in bucket.owners:
-                if owner == self.rank:
-                    self._summed_shard_grad()[lo - base : hi - base] += flat[lo - lo0 : hi - lo0]
+                if owner != self.rank:
+                    continue
+                part, target = flat[lo - lo0 : hi - lo0], self._summed_shard_grad()[lo - base : hi - base]
+                if bucket.lo in self._shard_written:
+                    target += part
+                else:  # this bucket's first reduction in the window: copied, not added to zeros
+                    target.copy_(part)
+                    self._shard_written.add(bucket.lo)
 
         return finish
 
     def _shard_grad(self) -> Tensor:
+        """The shard gradient to read: zeros where no reduction wrote yet (none in the window, or a bucket
+        not reduced yet when the noise scale reads the gradient so far)."""
         if self.shard_grad is None:
             self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self._shard_written = {bucket.lo for bucket in self.buckets}
+        base = self.rank * self.shard_numel
+        for bucket in self.buckets:
+            if bucket.lo not in self._shard_written:
+                for owner, lo, hi in bucket.owners:
+                    if owner == self.rank:
+                        self.shard_grad[lo - base : hi - base].zero_()
+                self._shard_written.add(bucket.lo)
         return self.shard_grad
 
     def _summed_shard_grad(self) -> Tensor:
         """The shard gradient as the replicas' sum, to add a reduction to: a window reduced before its step
         (manual optimization clipped, then ran another backward) turns back into a sum first."""
-        grad = self._shard_grad()
+        if self.shard_grad is None:  # the window's first reduction: each bucket's first one writes its part
+            self.shard_grad = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+            self._shard_written = set()
+        grad = self.shard_grad
         if self.averaged:
             grad.mul_(self.world)
             self.averaged = False
@@ -124,5 +161,5 @@ class BucketGradients(GroupGradients):
         # on every rank alike, since zero_grad is called on every rank
         self.shard_grad, self.averaged = None, False
         for bucket in self.buckets:
-            bucket.buffer, bucket.arrived = None, set()
+            bucket.buffer, bucket.arrived, bucket.written = None, set(), set()
         super().clear()

@@ -62,6 +62,7 @@ class Bucket:
     arrived: set[int] = field(default_factory=set)  # members whose gradient is complete in this backward
     started: bool = False  # ZeRO-0/1: its reduction for this window started
     buffer: Tensor | None = None  # ZeRO-2: their gradients, from the first hand-off until the reduction starts
+    written: set[int] = field(default_factory=set)  # ZeRO-2: members whose gradient is in ``buffer``
 
 
 class BucketOwner(Protocol):
