@@ -166,3 +166,62 @@ def test_zero2_padding_is_reduced_as_zeros(one_rank_group, nan_for_empty):
     shard = nn.Parameter(torch.zeros(20))
     grads.reduce(shard)
     torch.testing.assert_close(shard.grad, want, rtol=0, atol=0)
+
+
+def test_zero2_empty_leading_parameter_does_not_hide_a_bucket(one_rank_group, nan_for_empty):
+    """A zero-element parameter first in the group makes a bucket of its own at the same offset as the next one:
+    read between reductions, the gradient is still zero where nothing was reduced, and exact at the end."""
+    from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
+    from lightning_hybrid.strategies.zero.buckets import BucketQueue
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.empty(0)), nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))]
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    queue = BucketQueue(launch_in_backward=False)
+    grads = BucketGradients(
+        params, [0, 0, 12], 24, group=one_rank_group, dtype=torch.float32, device=torch.device("cpu"),
+        names=["empty", "a", "b"], bucket_numel=12, queue=queue,
+    )  # fmt: skip
+    assert [(b.lo, b.hi) for b in grads.buckets] == [(0, 0), (0, 12), (12, 24)]
+    x = torch.randn(5, 4)
+    for e, a, b in (params, reference):
+        ((x @ a.T).square().sum() + (x @ b.T).tanh().sum() + e.sum()).backward()
+    want = torch.cat([reference[1].grad.reshape(-1), reference[2].grad.reshape(-1)])
+    grads.start_reduction(grads.buckets[2])()  # backward's first bucket
+    torch.testing.assert_close(grads.local_gradients()[0], torch.cat([torch.zeros(12), want[12:]]), rtol=0, atol=0)
+    grads.start_reduction(grads.buckets[1])()
+    grads.start_reduction(grads.buckets[0])()
+    shard = nn.Parameter(torch.zeros(24))
+    grads.reduce(shard)
+    torch.testing.assert_close(shard.grad, want, rtol=0, atol=1e-6)
+
+
+def test_zero2_reduced_then_another_backward_then_cleared(one_rank_group, nan_for_empty):
+    """Manual optimization: the window reduced (and read), then another backward before the step: the second
+    reduction adds to the first exactly. Then ``zero_grad`` mid-window: what follows starts from nothing."""
+    model, reference, sharded = _branchy_zero2(one_rank_group)
+    xs = [torch.randn(5, 4) for _ in range(3)]
+
+    def backward(x: torch.Tensor) -> None:
+        model(x, True).square().sum().backward()
+        sharded.queue.end_backward()
+        sharded.after_backward()
+
+    def shard_grad() -> torch.Tensor:
+        return sharded.groups[0].shard.grad.clone()
+
+    backward(xs[0])
+    sharded.reduce_gradients()
+    first = shard_grad()
+    backward(xs[1])
+    sharded.reduce_gradients()
+    for x in xs[:2]:
+        reference(x, True).square().sum().backward()
+    torch.testing.assert_close(shard_grad(), _flat_grads(reference), rtol=0, atol=1e-6)
+    assert not torch.equal(first, shard_grad())
+    sharded.zero_grad()
+    reference.zero_grad()
+    backward(xs[2])
+    sharded.reduce_gradients()
+    reference(xs[2], True).square().sum().backward()
+    torch.testing.assert_close(shard_grad(), _flat_grads(reference), rtol=0, atol=1e-6)

@@ -59,14 +59,75 @@ def _run(problems: list[str], label: str) -> None:
             problems.append(f"{label}: gather {k}: {flat.tolist()}")
 
 
+def _zero2_poisoned(problems: list[str], label: str) -> None:
+    """ZeRO-2's buckets and shard gradients are allocated unzeroed: with every fresh ``torch.empty`` NaN, a
+    window of two micro-batches (a branch only rank 0 takes in the first, a layer no rank uses, the padding,
+    buckets cut across the owners' shards) gives each rank exactly its slice of the ranks' mean gradient,
+    computed here for every rank's data without any collective."""
+    from torch import nn
+
+    from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
+
+    me, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(4, 3), "skip": nn.Linear(4, 3), "never": nn.Linear(4, 2)}).double()
+    reference = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, use_skip: bool) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, params["body.weight"], params["body.bias"]).tanh()
+        if use_skip:
+            out = out + torch.nn.functional.linear(x, params["skip.weight"], params["skip.bias"])
+        return out.square().sum()
+
+    def batch(r: int, k: int) -> tuple[torch.Tensor, bool]:
+        return torch.randn(
+            5, 4, generator=torch.Generator().manual_seed(10 * r + k), dtype=torch.float64
+        ), r == 0 or k == 1
+
+    sharded = FlatShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), names={p: n for n, p in model.named_parameters()},
+        group=dist.group.WORLD, zero_stage=2, reduce_gradients="every_microbatch", bucket_numel=20,
+    )  # fmt: skip
+    # buckets [body] (shards of ranks 0, 1) and [skip, never, padding] (ranks 1, 2): parts of the second without
+    # a gradient on a rank that has others there
+    assert [b.members for b in sharded.groups[0].grads.buckets] == [[0, 1], [2, 3, 4, 5]]
+    real_empty = torch.empty
+    torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))  # type: ignore[assignment]
+    try:
+        params = dict(model.named_parameters())
+        for k in range(2):
+            x, use_skip = batch(me, k)
+            loss(params, x, use_skip).backward()
+            sharded.queue.end_backward()
+            sharded.after_backward()
+        sharded.reduce_gradients()
+    finally:
+        torch.empty = real_empty  # type: ignore[assignment]
+    for r in range(world):
+        for k in range(2):
+            loss(reference, *batch(r, k)).backward()
+    group = sharded.groups[0]
+    want = torch.cat(
+        [(g.grad if g.grad is not None else torch.zeros_like(g)).reshape(-1) / world for g in reference.values()]
+    )
+    want = torch.cat([want, want.new_zeros(world * group.shard.numel() - want.numel())])
+    s = group.shard.numel()
+    got = group.shard.grad
+    if got is None or not torch.allclose(got, want[me * s : (me + 1) * s], rtol=0, atol=1e-12):
+        problems.append(f"{label}: ZeRO-2 shard gradient {None if got is None else got.tolist()}")
+
+
 def main(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo")
     problems: list[str] = []
     _run(problems, "point-to-point")
+    _zero2_poisoned(problems, "point-to-point")
     collectives.RECEIVE_NUMEL = 12  # chunks of 3 elements (3 ranks: two peers, two chunks each at a time)
     _run(problems, "point-to-point, chunks of 3")
+    _zero2_poisoned(problems, "point-to-point, chunks of 3")
     collectives.point_to_point = lambda group: False  # the native collectives, as on NCCL
     _run(problems, "native")
+    _zero2_poisoned(problems, "native")
     dist.barrier()
     write_report(cfg["out"], {"rank": rank(), "world": dist.get_world_size(), "problems": problems})
 

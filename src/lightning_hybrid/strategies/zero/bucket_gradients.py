@@ -29,7 +29,7 @@ class BucketGradients(GroupGradients):
         # this rank's slice of the window's gradient: from the window's first reduction until the step; the
         # replicas' sum, or their mean once the window was reduced (``averaged``)
         self.shard_grad: Tensor | None = None
-        self._shard_written: set[int] = set()  # the buckets (by ``lo``) whose part of it holds a reduction
+        self._shard_written: set[int] = set()  # the buckets (by id: an empty one shares its ``lo``) reduced into it
         self.averaged = False
         params, offsets, padded = args[0], args[1], args[2]
         world = dist.get_world_size(kwargs["group"])
@@ -73,14 +73,17 @@ class BucketGradients(GroupGradients):
         p.grad = None
 
     def _zero_unwritten(self, bucket: Bucket) -> None:
-        """Zeros where no gradient was handed off: members without one on this rank, and the padding."""
+        """Zeros where no gradient was handed off: members without one on this rank, any gap between members,
+        and the padding."""
         assert bucket.buffer is not None
-        for i in bucket.members:
+        end = 0
+        for i in bucket.members:  # in the buffer's order
+            begin = self.offsets[i] - bucket.lo
+            bucket.buffer[end:begin].zero_()
+            end = begin + self.params[i].numel()
             if i not in bucket.written:
-                begin = self.offsets[i] - bucket.lo
-                bucket.buffer[begin : begin + self.params[i].numel()].zero_()
-        last = bucket.members[-1]
-        bucket.buffer[self.offsets[last] + self.params[last].numel() - bucket.lo :].zero_()
+                bucket.buffer[begin:end].zero_()
+        bucket.buffer[end:].zero_()
 
     @torch.no_grad()
     def start_reduction(self, bucket: Bucket) -> Finish:
@@ -103,11 +106,11 @@ class BucketGradients(GroupGradients):
                 if owner != self.rank:
                     continue
                 part, target = flat[lo - lo0 : hi - lo0], self._summed_shard_grad()[lo - base : hi - base]
-                if bucket.lo in self._shard_written:
+                if id(bucket) in self._shard_written:
                     target += part
                 else:  # this bucket's first reduction in the window: copied, not added to zeros
                     target.copy_(part)
-                    self._shard_written.add(bucket.lo)
+                    self._shard_written.add(id(bucket))
 
         return finish
 
@@ -116,14 +119,14 @@ class BucketGradients(GroupGradients):
         not reduced yet when the noise scale reads the gradient so far)."""
         if self.shard_grad is None:
             self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-            self._shard_written = {bucket.lo for bucket in self.buckets}
+            self._shard_written = {id(bucket) for bucket in self.buckets}
         base = self.rank * self.shard_numel
         for bucket in self.buckets:
-            if bucket.lo not in self._shard_written:
+            if id(bucket) not in self._shard_written:
                 for owner, lo, hi in bucket.owners:
                     if owner == self.rank:
                         self.shard_grad[lo - base : hi - base].zero_()
-                self._shard_written.add(bucket.lo)
+                self._shard_written.add(id(bucket))
         return self.shard_grad
 
     def _summed_shard_grad(self) -> Tensor:
