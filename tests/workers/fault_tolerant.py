@@ -241,6 +241,9 @@ def _slow_write(spec: dict[str, Any]) -> None:
 
 def main(cfg: dict[str, Any]) -> None:
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test that finds the job hung asks for stacks
+    # Ctrl-C as a terminal's foreground job gets it: a job started in the background by a non-interactive shell
+    # inherits SIGINT ignored, and Python then installs no handler for it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     inject = cfg.get("inject", {})
     if _armed(inject.get("kill_in_write")):
         _kill_in_write(inject["kill_in_write"])
