@@ -438,6 +438,9 @@ def main() -> None:
     keep_freed = args.host_allocator == "keep-freed"
     if keep_freed:  # inherited by every job's ranks
         os.environ.update(MALLOC_MMAP_THRESHOLD_=str(2**30), MALLOC_TRIM_THRESHOLD_=str(2**32))
+    allocator = (
+        ", host allocator keeping freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)" if keep_freed else ""
+    )
     interleave = args.interleave or ("trainers" if gpus else "steps")
     if gpus and interleave == "steps":  # every model at once, and a CUDA device and peak per thread, not process
         sys.exit("overlap.py --interleave steps is for CPU processes; on GPUs use --interleave trainers (the default).")
@@ -471,12 +474,7 @@ def main() -> None:
     lines = [
         f"# overlap: step time relative to the baseline, {machine}, GPT {size['n_layer']}x{size['d_model']},"
         f" per-rank batch {size['batch_size']}x{size['block_size']}, {args.repeats} rounds of {args.steps} steps,"
-        f" interleaved by {'step' if interleave == 'steps' else 'Trainer'}"
-        + (
-            ", host allocator keeping freed memory (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_)"
-            if keep_freed
-            else ""
-        ),
+        f" interleaved by {'step' if interleave == 'steps' else 'Trainer'}{allocator}",
         "",
         "| configuration | K | step / baseline (median, min-max) | baseline | comm alone / compute |"
         " hidden share | step (ms) |" + (" tokens/s per GPU | MFU | peak GiB |" if gpus else ""),

@@ -142,19 +142,27 @@ def test_zero2_gradient_read_between_reductions_is_zero_where_unreduced(one_rank
     torch.testing.assert_close(sharded.groups[0].shard.grad, want, rtol=0, atol=1e-6)
 
 
-def test_zero2_padding_is_reduced_as_zeros(one_rank_group, nan_for_empty):
-    """The flat buffer's padding (to a multiple of the group size) lies in the last bucket and gets no gradient:
-    it is reduced as zeros, so a norm over the shard (clipping) is the gradient's."""
+def _bucket_gradients(params: list[nn.Parameter], padded: int, group: dist.ProcessGroup, **queue_kwargs: bool):
+    """ZeRO-2's gradients of ``params`` packed in one flat buffer of ``padded`` elements, buckets of 12+
+    elements (the one backward completes first: at most 12 too), and their queue."""
     from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
     from lightning_hybrid.strategies.zero.buckets import BucketQueue
 
+    offsets = [sum(q.numel() for q in params[:i]) for i in range(len(params))]
+    queue = BucketQueue(**queue_kwargs)
+    grads = BucketGradients(
+        params, offsets, padded, group=group, dtype=torch.float32, device=torch.device("cpu"),
+        names=[f"p{i}" for i in range(len(params))], bucket_numel=12, queue=queue,
+    )  # fmt: skip
+    return grads, queue
+
+
+def test_zero2_padding_is_reduced_as_zeros(one_rank_group, nan_for_empty):
+    """The flat buffer's padding (to a multiple of the group size) lies in the last bucket and gets no gradient:
+    it is reduced as zeros, so a norm over the shard (clipping) is the gradient's."""
     torch.manual_seed(0)
     layer = nn.Linear(4, 3)
-    queue = BucketQueue()
-    grads = BucketGradients(
-        list(layer.parameters()), [0, 12], 20, group=one_rank_group, dtype=torch.float32, device=torch.device("cpu"),
-        names=["weight", "bias"], bucket_numel=100, queue=queue,
-    )  # fmt: skip
+    grads, queue = _bucket_gradients(list(layer.parameters()), 20, one_rank_group)
     assert [(b.lo, b.hi) for b in grads.buckets] == [(0, 20)]
     reference = nn.Linear(4, 3)
     reference.load_state_dict(layer.state_dict())
@@ -171,17 +179,10 @@ def test_zero2_padding_is_reduced_as_zeros(one_rank_group, nan_for_empty):
 def test_zero2_empty_leading_parameter_does_not_hide_a_bucket(one_rank_group, nan_for_empty):
     """A zero-element parameter first in the group makes a bucket of its own at the same offset as the next one:
     read between reductions, the gradient is still zero where nothing was reduced, and exact at the end."""
-    from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
-    from lightning_hybrid.strategies.zero.buckets import BucketQueue
-
     torch.manual_seed(0)
     params = [nn.Parameter(torch.empty(0)), nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3, 4))]
     reference = [nn.Parameter(p.detach().clone()) for p in params]
-    queue = BucketQueue(launch_in_backward=False)
-    grads = BucketGradients(
-        params, [0, 0, 12], 24, group=one_rank_group, dtype=torch.float32, device=torch.device("cpu"),
-        names=["empty", "a", "b"], bucket_numel=12, queue=queue,
-    )  # fmt: skip
+    grads, _ = _bucket_gradients(params, 24, one_rank_group, launch_in_backward=False)
     assert [(b.lo, b.hi) for b in grads.buckets] == [(0, 0), (0, 12), (12, 24)]
     x = torch.randn(5, 4)
     for e, a, b in (params, reference):
