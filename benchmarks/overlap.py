@@ -6,7 +6,10 @@
 One run measures, side by side on the same model and data: Lightning's DDP, Lightning's
 ``ModelParallelStrategy`` (FSDP2), and ``HybridParallelStrategy`` at ZeRO-0, ZeRO-1, ZeRO-2 (both
 ``reduce_gradients`` settings) and ZeRO-3 (default units and ``"submodules"``), each with K=1 and K=4
-micro-batches per step, and a second DDP Trainer (its ratio to the first is the measurement's own noise).
+micro-batches per step, and a second DDP Trainer (its ratio to the first is the measurement's own noise). One
+more row is DDP plus the bytes ZeRO-2's default moves beyond DDP's (a reduce-scatter after each backward that
+does not close the window): on a machine where nothing overlaps, about the fastest a ZeRO-2 can be that never
+holds the full gradient between micro-batches.
 A round is one ``torchrun`` job of this file (``--worker``) that fits every configuration of one K at once,
 each in a thread of the same processes, one optimizer step of each in turn, in an order shuffled anew each
 cycle (``--interleave steps``, the default without a GPU): the steps of every configuration are seconds apart
@@ -47,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _jobs import publish, run_job, sharded_gpt  # noqa: E402
 
-# name: strategy spec ("ddp", "fsdp2", or HybridParallelStrategy kwargs)
+EXTRA = "DDP + ZeRO-2's extra reduce-scatters"
+# name: strategy spec ("ddp", "ddp+reduce-scatters", "fsdp2", or HybridParallelStrategy kwargs)
 CONFIGS: dict[str, Any] = {
     "DDP (Lightning)": "ddp",
     "FSDP2 (ModelParallelStrategy)": "fsdp2",
@@ -59,6 +63,9 @@ CONFIGS: dict[str, Any] = {
     "hybrid ZeRO-3": {"zero_stage": 3},
     # a unit per parameter-holding child of a block: less gathered at once, more (latency-bound) collectives
     "hybrid ZeRO-3 shard_units=submodules": {"zero_stage": 3, "zero": {"shard_units": "submodules"}},
+    # Lightning's DDP plus the bytes ZeRO-2's default moves beyond DDP's: after each backward that does not
+    # close the window, one reduce-scatter of a gradient-sized buffer (see ``_ExtraReductions``)
+    EXTRA: "ddp+reduce-scatters",
     # a second, identical DDP Trainer (last: fitted Trainer by Trainer, not right after the first): its ratio
     # to the first is what the measurement itself varies by
     "DDP (Lightning), again": "ddp",
@@ -86,7 +93,7 @@ def _strategy(cfg: dict[str, Any]) -> Any:
     spec = cfg["strategy"]
     if cfg["devices"] == 1:
         return "auto"
-    if spec == "ddp":
+    if spec in ("ddp", "ddp+reduce-scatters"):
         return "ddp"
     if spec == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
@@ -150,6 +157,10 @@ def _communication_alone(cfg: dict[str, Any], psi: int, device: Any) -> float:
         once = isinstance(spec, dict) and spec.get("zero", {}).get("reduce_gradients") == "once_per_step"
         if spec == "ddp" or zero == 0:
             dist.all_reduce(flat)
+        elif spec == "ddp+reduce-scatters":
+            for _ in range(k - 1):
+                reduce_to_owners(flat, pieces, group).wait()
+            dist.all_reduce(flat)
         elif zero in (1, 2):
             for _ in range(1 if once or zero == 1 else k):
                 reduce_to_owners(flat, pieces, group).wait()
@@ -190,6 +201,40 @@ def _overlap_ceiling(module: Any, cfg: dict[str, Any], psi: int, device: Any) ->
     c, m, b = _timed(compute, device), _timed(communicate, device), _timed(both, device)
     module.zero_grad(set_to_none=True)
     return 1 - (b - c) / m  # below 0: the two together take longer than one after the other
+
+
+def _extra_reductions(k: int) -> Any:
+    """A callback that gives Lightning's DDP the bytes ZeRO-2's default moves beyond DDP's with ``k``
+    micro-batches per step: after each backward that does not close the window (DDP accumulates those locally),
+    one reduce-scatter of a buffer of the gradient's size, by the collective ZeRO-2 reduces its buckets with
+    (``reduce_to_owners``; on gloo, point-to-point messages). The buffer is allocated once and nothing is copied
+    into it: the collectives alone, none of ZeRO-2's other work. Where nothing overlaps (an overlap ceiling at or
+    below 0), a ZeRO-2 that never holds the full gradient between micro-batches is faster than this only by what
+    its smaller optimizer step saves."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from lightning_hybrid.strategies.zero.collectives import reduce_to_owners
+
+    class ExtraReductions(L.Callback):
+        buffer: Any = None
+        closes = True
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.closes = (batch_idx + 1) % k == 0
+
+        def on_after_backward(self, trainer, pl_module):
+            if self.closes:
+                return
+            world = dist.get_world_size()
+            if self.buffer is None:
+                numel = sum(p.numel() for p in pl_module.parameters())
+                self.buffer = torch.zeros(-(-numel // world) * world, device=pl_module.device)
+            s = self.buffer.numel() // world
+            reduce_to_owners(self.buffer, [(r, r * s, (r + 1) * s) for r in range(world)], dist.group.WORLD).wait()
+
+    return ExtraReductions()
 
 
 def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me: str = "") -> dict[str, Any]:
@@ -233,7 +278,7 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me
         precision="bf16-mixed" if gpu else "32-true",
         max_steps=cfg["steps"], accumulate_grad_batches=k, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[Probe()],
+        callbacks=[Probe(), *([_extra_reductions(k)] if spec == "ddp+reduce-scatters" else [])],
     )  # fmt: skip
     trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True))
     step = statistics.median(times[cfg["warmup"] :])
@@ -391,6 +436,19 @@ def _budget(cfg: dict[str, Any]) -> float:
     return 120 + len(cfg["configs"]) * sum(30 + 2 * cfg["steps"] * k for k in cfg["accumulation"])
 
 
+def _against_extra(rows: dict[tuple[str, int], list[dict[str, Any]]], ks: list[int]) -> list[str]:
+    """ZeRO-2's default against the row of DDP plus its extra bytes, round by round, per K (when both ran)."""
+    zero2 = "hybrid ZeRO-2 every_microbatch"
+    lines = []
+    for k in ks:
+        if (zero2, k) in rows and (EXTRA, k) in rows:
+            ratios = [a["step"] / b["step"] for a, b in zip(rows[(zero2, k)], rows[(EXTRA, k)])]
+            lines.append(
+                f"{zero2} / {EXTRA}, K={k}: {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    return ["", *lines] if lines else []
+
+
 def _gpus() -> tuple[int, str, int]:
     import torch
 
@@ -499,6 +557,14 @@ def main() -> None:
     lines += [
         "",
         "DDP (Lightning), again: a second Trainer identical to the first; its ratio is the measurement's own noise.",
+        "",
+        f"{EXTRA}: Lightning's DDP plus, after each backward that does not close the window, one reduce-scatter"
+        " of a gradient-sized buffer by the collective ZeRO-2 reduces its buckets with (allocated once, nothing"
+        " copied into it): the bytes ZeRO-2's default moves beyond DDP's (K reduce-scatters where DDP has one"
+        " all-reduce), without its other work. With K=1 it is DDP. Where the overlap ceiling is at or below 0, a"
+        " ZeRO-2 that never holds the full gradient from one micro-batch to the next is faster than it only by"
+        " what its smaller optimizer step saves (each rank steps its shard).",
+        *_against_extra(rows, base["accumulation"]),
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
         " all-reduce of the model's gradient size hidden behind one forward and backward when launched"
