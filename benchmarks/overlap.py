@@ -64,7 +64,7 @@ CONFIGS: dict[str, Any] = {
     # a unit per parameter-holding child of a block: less gathered at once, more (latency-bound) collectives
     "hybrid ZeRO-3 shard_units=submodules": {"zero_stage": 3, "zero": {"shard_units": "submodules"}},
     # Lightning's DDP plus the bytes ZeRO-2's default moves beyond DDP's: after each backward that does not
-    # close the window, one reduce-scatter of a gradient-sized buffer (see ``_ExtraReductions``)
+    # close the window, one reduce-scatter of a gradient-sized buffer (see ``_extra_reductions``)
     EXTRA: "ddp+reduce-scatters",
     # a second, identical DDP Trainer (last: fitted Trainer by Trainer, not right after the first): its ratio
     # to the first is what the measurement itself varies by
@@ -222,15 +222,16 @@ def _extra_reductions(k: int) -> Any:
         closes = True
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.closes = (batch_idx + 1) % k == 0
+            self.closes = (batch_idx + 1) % k == 0  # one epoch holds every window (Probe checks)
 
         def on_after_backward(self, trainer, pl_module):
             if self.closes:
                 return
             world = dist.get_world_size()
             if self.buffer is None:
-                numel = sum(p.numel() for p in pl_module.parameters())
-                self.buffer = torch.zeros(-(-numel // world) * world, device=pl_module.device)
+                params = list(pl_module.parameters())
+                numel = sum(p.numel() for p in params)
+                self.buffer = torch.zeros(-(-numel // world) * world, dtype=params[0].dtype, device=pl_module.device)
             s = self.buffer.numel() // world
             reduce_to_owners(self.buffer, [(r, r * s, (r + 1) * s) for r in range(world)], dist.group.WORLD).wait()
 
@@ -256,6 +257,16 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me
     times: list[float] = []
 
     class Probe(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            # Lightning also closes a window at an epoch's end: counted by batch_idx, the windows of a second epoch
+            # would not be the ones Lightning steps (the same count on every rank: the sampler evens it out)
+            if cfg["steps"] * k > trainer.num_training_batches:
+                raise ValueError(
+                    f"--steps {cfg['steps']} x K={k} micro-batches is more than one epoch"
+                    f" ({trainer.num_training_batches} batches per rank): use at most"
+                    f" {trainer.num_training_batches // k} steps"
+                )
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx % k == 0:
                 self.t0 = time.perf_counter()
@@ -560,10 +571,11 @@ def main() -> None:
         "",
         f"{EXTRA}: Lightning's DDP plus, after each backward that does not close the window, one reduce-scatter"
         " of a gradient-sized buffer by the collective ZeRO-2 reduces its buckets with (allocated once, nothing"
-        " copied into it): the bytes ZeRO-2's default moves beyond DDP's (K reduce-scatters where DDP has one"
-        " all-reduce), without its other work. With K=1 it is DDP. Where the overlap ceiling is at or below 0, a"
-        " ZeRO-2 that never holds the full gradient from one micro-batch to the next is faster than it only by"
-        " what its smaller optimizer step saves (each rank steps its shard).",
+        " copied into it): the bytes ZeRO-2's default moves beyond DDP's (K reduce-scatters and an all-gather"
+        " where DDP's one all-reduce moves a reduce-scatter's and an all-gather's), without its other work. With"
+        " K=1 it is DDP. Where the overlap ceiling is at or below 0, a"
+        " ZeRO-2 that never holds the full gradient from one micro-batch to the next, with these collectives, is"
+        " faster than it only by what its smaller optimizer step saves (each rank steps its shard).",
         *_against_extra(rows, base["accumulation"]),
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
