@@ -219,13 +219,9 @@ def _extra_reductions(k: int) -> Any:
 
     class ExtraReductions(L.Callback):
         buffer: Any = None
-        closes = True
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.closes = (batch_idx + 1) % k == 0  # one epoch holds every window (Probe checks)
 
         def on_after_backward(self, trainer, pl_module):
-            if self.closes:
+            if (trainer.fit_loop.epoch_loop.batch_idx + 1) % k == 0:  # closes (one epoch holds every window: Probe)
                 return
             world = dist.get_world_size()
             if self.buffer is None:
@@ -573,9 +569,9 @@ def main() -> None:
         " of a gradient-sized buffer by the collective ZeRO-2 reduces its buckets with (allocated once, nothing"
         " copied into it): the bytes ZeRO-2's default moves beyond DDP's (K reduce-scatters and an all-gather"
         " where DDP's one all-reduce moves a reduce-scatter's and an all-gather's), without its other work. With"
-        " K=1 it is DDP. Where the overlap ceiling is at or below 0, a"
-        " ZeRO-2 that never holds the full gradient from one micro-batch to the next, with these collectives, is"
-        " faster than it only by what its smaller optimizer step saves (each rank steps its shard).",
+        " K=1 it is DDP. Where the overlap ceiling is at or below 0, a ZeRO-2 that never holds the full gradient"
+        " from one micro-batch to the next, with these collectives, is faster than it only by what its smaller"
+        " optimizer step saves (each rank steps its shard).",
         *_against_extra(rows, base["accumulation"]),
         "",
         f"overlap ceiling of this machine: {statistics.median(ceilings):.2f} (min {min(ceilings):.2f}) of an"
