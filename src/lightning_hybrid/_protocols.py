@@ -14,6 +14,7 @@ from torch import Tensor
 __all__ = [
     "ChecksItsStrategy",
     "ExactWindowMeans",
+    "LeavesModelGradientsAlone",
     "PipelineLossScaling",
     "ReportsGradientLayout",
     "ShardedCheckpointing",
@@ -102,3 +103,13 @@ class ChecksItsStrategy(Protocol):
     calls this on its precision plugin at set-up, before it builds anything."""
 
     def check_strategy(self, strategy: Any) -> None: ...
+
+
+@runtime_checkable
+class LeavesModelGradientsAlone(Protocol):
+    """A callback whose ``on_after_backward`` and ``on_before_optimizer_step`` read gradients only through the
+    strategy (``ReportsGradientLayout.current_gradients``) and the optimizer's param groups, editing them there
+    element-wise, and never read or assign ``param.grad`` of the model's parameters: a strategy need not make the
+    model's whole gradient visible to it (ZeRO-1/2 then keep their cheapest reduction)."""
+
+    def leaves_model_gradients_alone(self) -> bool: ...

@@ -17,10 +17,13 @@ from torch import Tensor
 
 __all__ = [
     "DCP_PRIVATE_GLOBALS",
+    "storageless_like",
     "default_store",
     "grad_scaler_growth_tracker",
     "init_optimizer_state",
     "mul_",
+    "post_accumulate_hooks",
+    "tensor_hooks",
     "queue_backward_callback",
     "side_effect_free_stage",
     "wait_for_gloo_at_exit",
@@ -37,6 +40,29 @@ def default_store() -> dist.Store | None:
         return getter() if getter is not None else None
     except Exception:  # a missing store only costs the caller a detail
         return None
+
+
+def storageless_like(cls: type, like: Tensor) -> Tensor:
+    """An instance of the ``Tensor`` subclass ``cls`` with ``like``'s shape, strides, dtype and device and no
+    storage (torch 2.13: ``Tensor._make_wrapper_subclass``, as DTensor builds its wrappers); what it does on
+    use is ``cls.__torch_dispatch__``'s."""
+    return Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False
+    )
+
+
+def tensor_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:
+    """The hooks ``param.register_hook`` registered on a leaf (torch 2.13: ``Tensor._backward_hooks``, an ordered
+    dict; ``Tensor.__deepcopy__`` leaves it behind). Empty when torch keeps them elsewhere."""
+    hooks = getattr(param, "_backward_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
+def post_accumulate_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:
+    """The hooks ``param.register_post_accumulate_grad_hook`` registered (torch 2.13:
+    ``Tensor._post_accumulate_grad_hooks``, an ordered dict or None)."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
 
 
 def mul_(tensors: list[Tensor], factor: float) -> None:

@@ -7,13 +7,16 @@ from typing import Any
 
 PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2, "schedule": "1f1b"}
 DP2 = {"data_parallel_size": 2}
+# about 260 fp32 elements a bucket: every shape's stage spans several buckets, so the order in which buckets
+# start during backward, their overlap and the late-gradient checks all run
+SMALL_BUCKETS = {"zero": {"bucket_size_mb": 0.001}}
 
 # name: (processes, strategy, data-parallel replicas, micro-batches per replica batch)
 LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
     "single": (1, {"name": "hybrid", "kwargs": {}}, 1, 1),
     "pp2": (2, {"name": "hybrid", "kwargs": {**PP2}}, 1, 2),
-    "dp2-zero0": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 0}}, 2, 1),
-    "dp2-zero1": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 1}}, 2, 1),
+    "dp2-zero0": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 0, **SMALL_BUCKETS}}, 2, 1),
+    "dp2-zero1": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 1, **SMALL_BUCKETS}}, 2, 1),
     "dp2-zero2": (2, {"name": "hybrid", "kwargs": {**DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.001}}}, 2, 1),
     "dp2-zero2-once": (
         2,
@@ -28,7 +31,8 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
         2,
         1,
     ),
-    "pp2xdp2-zero1": (4, {"name": "hybrid", "kwargs": {**PP2, **DP2, "zero_stage": 1}}, 2, 2),
+    "pp2xdp2-zero0": (4, {"name": "hybrid", "kwargs": {**PP2, **DP2, "zero_stage": 0, **SMALL_BUCKETS}}, 2, 2),
+    "pp2xdp2-zero1": (4, {"name": "hybrid", "kwargs": {**PP2, **DP2, "zero_stage": 1, **SMALL_BUCKETS}}, 2, 2),
     "pp2xdp2-zero2": (
         4,
         {"name": "hybrid", "kwargs": {**PP2, **DP2, "zero_stage": 2, "zero": {"bucket_size_mb": 0.001}}},
@@ -49,15 +53,49 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
     ),
 }
 
-PIPELINES = ["pp2", "pp2xdp2-zero1", "pp2xdp2-zero2", "deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
+PIPELINES = ["pp2", "pp2xdp2-zero0", "pp2xdp2-zero1", "pp2xdp2-zero2", "deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
 DEEPSPEED = ["deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
 ZERO3 = ["dp2-zero3", "dp2-zero3-submodules"]
 
-# (layout, shape): what every rank's error says. Anything else that fails is a defect.
+# (layout, shape): what every rank's error says, whatever the optimizer. Anything else that fails is a defect.
 REFUSED: dict[tuple[str, str], str] = {
     **{(layout, "backbone-finetuning"): "adds param groups to the optimizer" for layout in DEEPSPEED},
     **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, *ZERO3]},
-    **{(layout, "manual-optimization"): "uses manual optimization" for layout in PIPELINES},
+    # user code that edits .grad where ZeRO-2 handed the gradient off, or the model's .grad at the step under
+    # ZeRO-1/2 (each rank keeps its shard): refused by the placeholder in .grad, naming the parameter
+    **{
+        (layout, s): "each gradient is handed off"
+        for layout in ("dp2-zero2", "pp2xdp2-zero2")
+        for s in ("grad-scaled", "grad-surgery", "grad-hand-set", "step-hook-params", "manual-edits")
+    },
+    **{
+        (layout, "step-hook-params"): "keeps only its shard of the reduced gradient"
+        for layout in ("dp2-zero1", "dp2-zero2-once", "pp2xdp2-zero1")
+    },
+    **{
+        (layout, "reads-optimizer-state"): "holds the optimizer state of its shard"
+        for layout in (
+            "dp2-zero1",
+            "dp2-zero2",
+            "dp2-zero2-once",
+            "pp2xdp2-zero1",
+            "pp2xdp2-zero2",
+            "deepspeed-pp2-zero1",
+        )
+    },
+    **{(layout, "tensor-hook"): "tensor hooks registered on" for layout in ZERO3},
+    **{
+        (layout, s): "changed requires_grad between two backward passes"
+        for layout in ZERO3
+        for s in ("frozen-mid-window", "manual-frozen")
+    },
+    **{
+        (layout, s): "uses manual optimization"
+        for layout in PIPELINES
+        for s in ("manual-optimization", "manual-edits", "manual-frozen")
+    },
+    # torch's pipeline stages compute input gradients with autograd.grad(inputs=...)
+    **{(layout, "checkpointed-reentrant"): "use_reentrant=True" for layout in PIPELINES if layout not in DEEPSPEED},
     **{(layout, "scalar-params"): "cannot shard 0-dim parameters" for layout in ZERO3},
     **{(layout, s): "tied parameter in 2 FSDP2 units" for layout in ZERO3 for s in ("tied", "hf-gpt2", "hf-bert")},
     **{("pp2xdp2-zero2", s): "reduce_gradients='every_microbatch'" for s in ("tied", "hf-gpt2", "hf-bert")},
@@ -74,4 +112,25 @@ REFUSED: dict[tuple[str, str], str] = {
         for layout in DEEPSPEED
         for s in ("routed-experts", "unused-everywhere")
     },
+    # DeepSpeed's engine steps inside training_step; what it cannot do as the Trainer asks
+    **{
+        (layout, s): "DeepSpeed's engine runs forward, backward and the optimizer step"
+        for layout in DEEPSPEED
+        for s in (
+            "grad-scaled",
+            "grad-surgery",
+            "grad-hand-set",
+            "step-hook-groups",
+            "step-hook-params",
+            "outside-optimizer",
+        )
+    },
+    **{
+        (layout, s): "set num_microbatches instead"
+        for layout in DEEPSPEED
+        for s in ("partial-window", "frozen-mid-window")
+    },
+    **{(layout, "clip-value"): "clips gradients by their norm only" for layout in DEEPSPEED},
+    **{(layout, "fp16-scaled"): "cannot drive DeepSpeed's engine" for layout in DEEPSPEED},
+    ("deepspeed-pp2-zero0", "bf16-mixed"): "accumulates bf16 gradients only in bf16",
 }

@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 
 from layouts import LAYOUTS  # noqa: E402
 from matrix import Matrix  # noqa: E402
-from shapes import CHECKPOINT_AT, GLOBAL_BATCH, MAX_STEPS, SHAPES, build  # noqa: E402
+from shapes import CHECKPOINT_AT, GLOBAL_BATCH, MAX_STEPS, catalogue  # noqa: E402
 
 
 def main() -> int:
@@ -48,7 +48,7 @@ def main() -> int:
         "## Shapes",
         "",
     ]
-    lines += [f"- **{name}**: {' '.join((build(name).__doc__ or '').split())}" for name in SHAPES]
+    lines += [f"- **{name}**: {' '.join((make.__doc__ or '').split())}" for name, make in catalogue().items()]
     lines += ["", "## Refusals", ""]
     lines += [f"- {shape} x {layout}: {message}" for (shape, layout), message in sorted(matrix.refusals().items())]
     if problems:

@@ -25,20 +25,36 @@ MAX_STEPS = 8
 CHECKPOINT_AT = 5  # mid-epoch 1: after BackboneFinetuning added its group, with SWA averaging
 
 
+OPTIMIZERS = ("adamw", "sgd")
+
+OWN_LOSSES: list[float] = []
+"""Every micro-batch loss ``pipeline_loss`` computed in this process while training, in order: a rank's own
+losses, before anything is reduced over the replicas (the worker clears it before each run)."""
+
+
 class Shape(L.LightningModule):
-    """The base of every shape: blocks in ``self.layers``, a mean loss, AdamW with weight decay (a parameter
-    stepped with a zero gradient would move), the data as one TensorDataset."""
+    """The base of every shape: blocks in ``self.layers``, a mean loss, the data as one TensorDataset, and one
+    of two optimizers (``optimizer_name``, set by :func:`build`): AdamW with weight decay (a parameter stepped
+    with a zero gradient would move), or plain SGD with momentum and weight decay, whose update is
+    proportional to the gradient (AdamW is nearly blind to a constant factor on it: a gradient twice too large
+    moves AdamW's weights by 1e-6, SGD's by the update itself)."""
 
     lr = 0.02
+    sgd_lr = 0.05
     weight_decay = 0.1
     eps = 1e-8
     accumulate = 1
     loss_tolerance, weight_tolerance = 1e-5, 1e-4
     per_chunk_statistics = False
     samples = GLOBAL_BATCH * STEPS_PER_EPOCH
+    optimizers_tested: tuple[str, ...] = OPTIMIZERS
+    # the reference trains with Lightning's own accumulation over global micro-batches (an epoch whose last
+    # window is partial) instead of one process step on the whole window
+    lightning_accumulation = False
 
     def __init__(self) -> None:
         super().__init__()
+        self.optimizer_name = "adamw"
 
     def forward(self, x: Tensor) -> Tensor:
         for block in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
@@ -53,8 +69,27 @@ class Shape(L.LightningModule):
         return self.pipeline_loss(self(x), y)
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, eps=self.eps)
+        return self.make_optimizer([p for p in self.parameters() if p.requires_grad])
+
+    def make_optimizer(self, params: Any, **defaults: Any) -> torch.optim.Optimizer:
+        """The shape's optimizer over ``params`` (a list, or param groups with their own settings)."""
+        if self.optimizer_name == "sgd":
+            if "lr" in defaults:
+                defaults["lr"] = defaults["lr"] / self.lr * self.sgd_lr
+            else:
+                defaults["lr"] = self.sgd_lr
+            for group in params if params and isinstance(params[0], dict) else []:
+                if "lr" in group:
+                    group["lr"] = group["lr"] / self.lr * self.sgd_lr
+            return torch.optim.SGD(params, **{"momentum": 0.9, "weight_decay": self.weight_decay, **defaults})
+        return torch.optim.AdamW(
+            params, **{"lr": self.lr, "weight_decay": self.weight_decay, "eps": self.eps, **defaults}
+        )
+
+    def trainer_kwargs(self, reference: bool = False) -> dict[str, Any]:
+        """Trainer arguments the shape trains with (precision, clipping): in every layout, and in the one-process
+        reference (``reference=True``: Lightning's own plugins where the layouts use the pack's)."""
+        return {}
 
     def dataset(self) -> TensorDataset:
         g = torch.Generator().manual_seed(1)
@@ -174,13 +209,11 @@ class FrozenPart(Shape):
 
     def configure_optimizers(self) -> Any:
         named = list(self.named_parameters())
-        return torch.optim.AdamW(
+        return self.make_optimizer(
             [
                 {"params": [p for n, p in named if n.startswith("layers.0.")], "lr": self.lr * 2},
                 {"params": [p for n, p in named if not n.startswith("layers.0.")]},
-            ],
-            lr=self.lr,
-            weight_decay=self.weight_decay,
+            ]
         )
 
 
@@ -252,14 +285,12 @@ class ParamGroups(Shape):
         embedding = [p for n, p in named if n.startswith("layers.0.")]
         no_decay = [p for n, p in named if not n.startswith("layers.0.") and (p.dim() < 2)]
         rest = [p for n, p in named if not n.startswith("layers.0.") and p.dim() >= 2]
-        optimizer = torch.optim.AdamW(
+        optimizer = self.make_optimizer(
             [
                 {"params": embedding, "lr": self.lr * 0.1},
                 {"params": no_decay, "weight_decay": 0.0},
                 {"params": rest},
-            ],
-            lr=self.lr,
-            weight_decay=self.weight_decay,
+            ]
         )
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + 0.3 * step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -275,13 +306,11 @@ class Monitored(Shape):
 
     def configure_optimizers(self) -> Any:
         named = list(self.named_parameters())
-        optimizer = torch.optim.AdamW(
+        optimizer = self.make_optimizer(
             [
                 {"params": [p for n, p in named if n.startswith("layers.0.")], "lr": self.lr * 0.5},
                 {"params": [p for n, p in named if not n.startswith("layers.0.")]},
-            ],
-            lr=self.lr,
-            weight_decay=self.weight_decay,
+            ]
         )
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": schedule}
@@ -636,7 +665,32 @@ SHAPES: dict[str, Callable[[], Shape]] = {
 }
 
 
-def build(name: str) -> Shape:
-    """The shape ``name`` with the same initial weights in every process."""
+def catalogue() -> dict[str, Callable[[], Shape]]:
+    """Every shape: the model shapes above, then the shapes of how training runs (``shapes_training``)."""
+    from shapes_training import TRAINING_SHAPES  # it builds on this module
+
+    return {**SHAPES, **TRAINING_SHAPES}
+
+
+def cells() -> list[str]:
+    """Every row of the matrix: ``"<shape>/<optimizer>"`` for each shape and each optimizer it trains with."""
+    return [f"{name}/{opt}" for name, make in catalogue().items() for opt in make.optimizers_tested]
+
+
+def build(key: str) -> Shape:
+    """The shape of ``key`` (``"<shape>/<optimizer>"``, or a shape's name: AdamW) with the same initial weights
+    in every process; its ``pipeline_loss`` values while training are recorded in :data:`OWN_LOSSES`."""
+    name, _, optimizer = key.partition("/")
     torch.manual_seed(0)
-    return SHAPES[name]()
+    model = catalogue()[name]()
+    model.optimizer_name = optimizer or "adamw"
+    inner = model.pipeline_loss
+
+    def pipeline_loss(output: Any, target: Tensor) -> Tensor:
+        loss = inner(output, target)
+        if torch.is_grad_enabled():
+            OWN_LOSSES.append(float(loss.detach().float()))
+        return loss
+
+    model.pipeline_loss = pipeline_loss  # type: ignore[method-assign]
+    return model

@@ -1,13 +1,15 @@
-"""Worker (one launch per layout): train every shape of the catalogue under the layout, then resume each
-shape from the checkpoint another layout wrote, and report what every rank saw.
+"""Worker (one launch per layout): train every cell of the catalogue under the layout, then resume each
+cell from the checkpoint another layout wrote, and report what every rank saw.
 
-Config keys: layout (name), strategy ({"name": "hybrid" | "deepspeed", "kwargs": {...}}), shapes (names),
-resume ({shape: checkpoint folder written by another layout}), checkpoints (the root this launch writes its
-step checkpoints under), out (reports).
+Config keys: layout (name), strategy ({"name": "hybrid" | "deepspeed", "kwargs": {...}}), shapes (cells,
+``"<shape>/<optimizer>"``), resume ({cell: checkpoint folder written by another layout}), checkpoints (the
+root this launch writes its step checkpoints under), out (reports).
 
-Per shape and run the report holds the loss of every batch as the global batch's (the strategy's own under
-a pipeline; under pure data parallelism the replicas' losses combined as one process would have them), the
-final weights (consolidated from a sharded checkpoint), or the error every rank raised.
+Per cell and run, every rank reports: the loss of every batch as the global batch's (the strategy's own under
+a pipeline; under pure data parallelism the replicas' losses combined as one process would have them); its
+own micro-batch losses, as ``pipeline_loss`` computed them on this rank before any reduction; its own
+weights (its stages' parameters and buffers as the module holds them, ZeRO-3's gathered); its data-parallel
+rank; rank 0 also the weights consolidated from the final checkpoint. Or the error every rank raised.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import shapes
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from shapes import CHECKPOINT_AT, GLOBAL_BATCH, MAX_STEPS, Shape, TokenMean, build
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from lightning_hybrid._torch_compat import default_store
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint
 from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, ZeroConfig
 from lightning_hybrid.utilities import consolidate_checkpoint
@@ -91,6 +97,7 @@ def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -
         strategy=make_strategy(cfg["strategy"]),
         max_steps=MAX_STEPS,
         accumulate_grad_batches=model.accumulate,
+        **model.trainer_kwargs(),
         callbacks=[
             *model.callbacks(),
             record,
@@ -108,9 +115,23 @@ def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
+    shapes.OWN_LOSSES.clear()
     trainer.fit(model, datamodule=Data(model), ckpt_path=resume)
+    own_losses = list(shapes.OWN_LOSSES)
     trainer.save_checkpoint(folder / "final")
-    report: dict[str, Any] = {"losses": record.losses, "experts": record.experts}
+    # this rank's own weights, as its module holds them (every rank gathers ZeRO-3's shards, in one order)
+    mine = {}
+    for key, value in trainer.lightning_module.state_dict().items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        mine[key] = value.detach().cpu().clone()
+    torch.save(mine, folder / f"weights-rank{RANK}.pt")
+    report: dict[str, Any] = {
+        "losses": record.losses,
+        "experts": record.experts,
+        "own_losses": own_losses,
+        "own_weights": str(folder / f"weights-rank{RANK}.pt"),
+        "replica": trainer.strategy.distributed_sampler_kwargs.get("rank", 0) if dist.is_initialized() else 0,
+    }
     if trainer.global_rank == 0:
         weights = consolidate_checkpoint(folder / "final")
         torch.save(weights, folder / "weights.pt")
@@ -124,6 +145,7 @@ def main() -> None:
     cfg = json.loads(Path(sys.argv[1]).read_text())
     root = Path(cfg["checkpoints"])
     results: dict[str, Any] = {}
+    out = Path(cfg["out"]) / f"rank{RANK}.json"
     for name in cfg["shapes"]:
         results[name] = {}
         runs = [("fresh", None)]
@@ -135,11 +157,44 @@ def main() -> None:
                 results[name][run] = train(cfg, name, folder=folder, resume=resume)
             except Exception as exc:  # a refusal: every rank must raise the same
                 results[name][run] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-3000:]}
+                folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"error-rank{RANK}.txt").write_text(traceback.format_exc())  # seen even if a rank hangs
-                if dist.is_initialized():
-                    dist.barrier()  # the ranks leave the failed fit together before the next shape
-    out = Path(cfg["out"]) / f"rank{RANK}.json"
-    out.write_text(json.dumps({"rank": RANK, "results": results}))
+                _leave_together(out, results)
+        _write(out, results)  # after every cell: a launch that ends early keeps what it decided
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": RANK, "results": results}))
+    tmp.replace(out)
+
+
+_FAILURES = 0
+
+
+def _leave_together(out: Path, results: dict[str, Any]) -> None:
+    """The ranks leave a failed fit together before the next cell. A rank whose peer is still blocked in a
+    collective or a pipeline message the failed fit left (a failure on some ranks only) would wait for it
+    forever: after a bounded wait (counted in the job's key-value store, which answers while a peer's main
+    thread is blocked) this process ends with what it has decided; the peer's connection to it closes, so
+    the peer fails and ends too, and the matrix launches the layout again for the cells left."""
+    global _FAILURES
+    if not dist.is_initialized():
+        return
+    _FAILURES += 1
+    key = f"conformance/failed/{_FAILURES}"
+    try:
+        store = default_store()
+        store.add(key, 1)
+        deadline = time.monotonic() + 30
+        while store.add(key, 0) < dist.get_world_size():
+            if time.monotonic() > deadline:
+                raise TimeoutError(key)
+            time.sleep(0.2)
+        dist.barrier()
+    except Exception:  # a peer is blocked, or gone (its store with it)
+        _write(out, results)
+        os._exit(3)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,10 @@ event = rank_zero_only(log.warning)  # failures handled: shown whatever the warn
 class CheckpointActions:
     """FaultTolerantCheckpoint's actions (uses its writer, flag, NaN policy and watchdog)."""
 
+    def leaves_model_gradients_alone(self) -> bool:
+        """Its gradient hooks read the optimizer's param groups only (``LeavesModelGradientsAlone``)."""
+        return True
+
     @contextlib.contextmanager
     def _io(self) -> Generator[None, None, None]:
         """Waiting on checkpoint I/O (or a peer's): never a hang for the watchdog, however long."""

@@ -290,6 +290,9 @@ class AccumulationScheduler(Callback):
 
     # -------------------------------------------------------------------------------------- state
 
+    def leaves_model_gradients_alone(self) -> bool:  # its hooks read the optimizer's groups and the strategy's
+        return True
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -68,15 +68,27 @@ def optimizer_state(
     module: nn.Module, optimizer: Optimizer, sync: GradientSync, names: CheckpointNames
 ) -> dict[str, Any]:
     sharded = sync.sharded_optimizer(optimizer)
-    flat = (
-        sharded.flat_state_dict() if sharded is not None else get_optimizer_state_dict(module, optimizer, options=_FLAT)
-    )
+    flat = sharded.flat_state_dict() if sharded is not None else _unstepped_state_dict(module, optimizer)
     name_of = {id(p): n for n, p in module.named_parameters()}
     for index, group in enumerate(optimizer.param_groups):  # the model's parameters, outside the step
         for p in group["params"]:
             if id(p) in name_of:
                 flat[f"param_groups.{name_of[id(p)]}.{GROUP_INDEX}"] = index
     return names.to_store(flat)
+
+
+def _unstepped_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """DCP's flat optimizer state dict, without DCP's side effect on an optimizer that has not stepped yet: torch
+    2.13 first creates its state by a step with zero gradients at LR 0, which is not "no state" (SGD's momentum
+    becomes weight_decay * p, Adam counts a step), so a checkpoint written before the first step (or while fp16
+    skipped every step so far) changed the training that followed. The optimizer is left as it was, and the
+    checkpoint holds no state for it, as for any parameter never stepped."""
+    stepped = bool(optimizer.state)
+    flat = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    if not stepped:
+        optimizer.state.clear()
+        flat = {k: v for k, v in flat.items() if not k.startswith("state.")}
+    return flat
 
 
 def restore_added_groups(

@@ -49,6 +49,7 @@ from lightning_hybrid.strategies._recipe import prepare_module
 from lightning_hybrid.strategies._state import (
     ShardedCheckpointIO,
 )
+from lightning_hybrid.strategies._user_code import user_gradient_code
 from lightning_hybrid.strategies.hybrid_checkpoint import HybridCheckpoints
 from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
@@ -151,6 +152,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._runner: Union[PipelineRunner, None] = None  # with a pipeline only
         self._sync: Union[GradientSync, None] = None
         self._prepared: dict[int, Optimizer] = {}  # optimizers whose step's gradients are ready (_prepare_step)
+        self._reduced: set[int] = set()  # optimizers whose window was reduced at a backward's end (_reduce_window)
+        self._window_closing = False  # the backward that runs closes the accumulation window
         self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements
         self._skips: Union[tuple[Any, Tensor, bool], None] = None  # a micro-batch's skip agreement, pending
         self._gathered_with_gradients = False  # this training_step called all_gather(sync_grads=True)
@@ -276,7 +279,11 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
                     " optimization with one optimizer. Remove pipeline_loss_count (and normalise the loss"
                     " yourself), or use one optimizer with automatic_optimization=True."
                 )
-            self._gradient_sync.attach([self._unwrap(o) for o in self.optimizers], named_parameters(module))
+            self._gradient_sync.attach(
+                [self._unwrap(o) for o in self.optimizers],
+                named_parameters(module),
+                user_gradient_code(trainer, module),
+            )
             share_zero_grad(lightning_optimizers(self))
         self._connect_precision()
         self.setup_precision_plugin()

@@ -44,6 +44,7 @@ class HybridStep:
         # the schedule runs forward AND backward here; gradients Lightning's zero_grad could reach wait in the
         # runner until backward()
         sync.hold_gradients(False)
+        sync.before_backward()
         with self.precision_plugin.train_step_context():
             loss = self._runner.train_step(
                 args[0],
@@ -149,13 +150,24 @@ class HybridStep:
         self._unprepare()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        sync = self._gradient_sync
         if self._runner is None:
+            sync.before_backward()
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            self._gradient_sync.after_backward()
+            sync.after_backward()
             self._settle_skips()  # the reductions are done: the agreement arrived long ago
         else:
-            self._gradient_sync.hold_gradients(False)
+            sync.hold_gradients(False)
             self._runner.backward()  # the schedule ran backward in training_step
+        sync.average_outside()
+        # user code reads the gradients next (on_after_backward, manual optimization): reduced now, so that it
+        # sees the replicas' mean, as under DDP; what it changes is settled before the step
+        if sync.user.manual or (self._window_closing and sync.user.after_backward):
+            optimizers = (
+                [self._unwrap(optimizer)] if optimizer is not None else [self._unwrap(o) for o in self.optimizers]
+            )
+            for opt in optimizers:
+                self._reduce_window(opt)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -177,10 +189,12 @@ class HybridStep:
 
         def closure_then_reduce() -> Any:
             sync.window_closes(closes)
+            self._window_closing = closes
             try:
                 out = closure()
             finally:
                 sync.window_closes(False)
+                self._window_closing = False
             self._prepare_step(optimizer)
             return out
 
@@ -190,6 +204,7 @@ class HybridStep:
         finally:
             sync.end_step(optimizer)
             self._prepared.pop(id(optimizer), None)
+            self._reduced.discard(id(optimizer))
         if self._buffers is not None:
             self._buffers.broadcast()
         return result
@@ -202,13 +217,22 @@ class HybridStep:
         optimizer = self._unwrap(optimizer)
         if id(optimizer) in self._prepared:
             return
+        if id(optimizer) in self._reduced:
+            self._gradient_sync.settle(optimizer)  # what user code changed since the reduction
+        else:
+            self._reduce_window(optimizer)
+        self._gradient_sync.begin_step(optimizer)
+        self._prepared[id(optimizer)] = optimizer
+
+    def _reduce_window(self, optimizer: Optimizer) -> None:
+        """Groups added on some stages aligned, added groups adopted, the window's gradients reduced (with a
+        counted loss's correction)."""
         sync = self._gradient_sync
         if self.layout.pipeline_parallel_size > 1:  # a group added on some stages only: empty on the others
             align_added_groups(optimizer, device=self.root_device)
         sync.adopt_param_groups(optimizer, reduce_follows=True)
         sync.reduce(optimizer, scale=self._window_correction())
-        sync.begin_step(optimizer)
-        self._prepared[id(optimizer)] = optimizer
+        self._reduced.add(id(optimizer))
 
     def _prepare_for_clip(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
         """Manual optimization clips before ``optimizer.step()``: the step's gradients are made ready first.
@@ -224,6 +248,7 @@ class HybridStep:
         for optimizer in self._prepared.values():
             self._gradient_sync.end_step(optimizer)
         self._prepared.clear()
+        self._reduced.clear()
 
     def _window_correction(self) -> Union[float, None]:
         """A counted loss: the factor that turns the replicas' mean gradient into the window's exact mean."""

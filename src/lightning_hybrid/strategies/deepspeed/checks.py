@@ -14,6 +14,7 @@ from lightning_hybrid._lightning_compat import group_adding_callbacks
 from lightning_hybrid._protocols import ChecksItsStrategy, TakesTensorPartition
 from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_averaging
+from lightning_hybrid.strategies._user_code import user_gradient_code
 from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 __all__ = ["optimizer_problem", "refuse_unsupported"]
@@ -39,6 +40,15 @@ def refuse_unsupported(
             raise ValueError(
                 f"{type(module).__name__} uses manual optimization; DeepSpeed's engine runs forward, backward and"
                 " the optimizer step of every batch in place of training_step. Use automatic optimization."
+            )
+        user = user_gradient_code(trainer, module)
+        if user.after_backward or user.before_step:
+            raise ValueError(
+                "on_after_backward, on_before_optimizer_step or configure_gradient_clipping is overridden (by"
+                f" {type(module).__name__} or a callback), and DeepSpeed's engine runs forward, backward and the"
+                " optimizer step of every batch inside training_step: those hooks would run after the step, where"
+                " editing or reading a gradient changes nothing. Use HybridParallelStrategy, under which they see"
+                " the gradient before the step; or move the code out of those hooks."
             )
         adding = group_adding_callbacks(trainer)
         if adding:

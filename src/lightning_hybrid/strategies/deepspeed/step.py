@@ -24,6 +24,7 @@ from lightning_hybrid.checkpoint._sharded import read_meta
 from lightning_hybrid.contract import micro_batches
 from lightning_hybrid.strategies.deepspeed import state as ds_state
 from lightning_hybrid.strategies.deepspeed.batch import shapes
+from lightning_hybrid.strategies.deepspeed.config import precision_kind
 
 
 class EngineStep:
@@ -32,6 +33,11 @@ class EngineStep:
     def _micro_batches(self, batch: Any, mode: str) -> list[tuple[Any, Any]]:
         assert self.lightning_module is not None
         chunks = micro_batches(self.lightning_module, batch, self.layout.num_microbatches, self.root_device)
+        # DeepSpeed's bf16 / fp16 engine holds the stages' weights in that dtype: floating inputs are cast to it
+        # (as Lightning's DeepSpeedStrategy casts its batches); targets stay as they are, for the loss
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_kind(self.precision_plugin.precision))
+        if dtype is not None:
+            chunks = [(_cast(inputs, dtype), target) for inputs, target in chunks]
         key = (mode, shapes(chunks[0]))
         if key != self._shape_key:  # new shapes, or train <-> eval: the stages agree on new buffers
             self.engine.reset_activation_shape()
@@ -187,3 +193,11 @@ class EngineStep:
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # load_checkpoint loaded the optimizer state in place
+
+
+def _cast(inputs: Any, dtype: torch.dtype) -> Any:
+    if isinstance(inputs, Tensor):
+        return inputs.to(dtype) if inputs.is_floating_point() else inputs
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(_cast(t, dtype) for t in inputs)
+    return inputs

@@ -46,6 +46,7 @@ from lightning_hybrid.strategies.deepspeed.config import (
 from lightning_hybrid.strategies.deepspeed.step import EngineStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
+from lightning_hybrid.strategies.zero.sharded_state import refuse_whole_state
 
 __all__ = ["DeepSpeedPipelineStrategy"]
 
@@ -241,6 +242,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             self._groups_at_setup = [len(o.param_groups) for o in self.optimizers] if fitting else []
             if fitting:
                 self._watch_unused(module)
+                refuse_whole_state(ds_state.client_optimizer(self._engine), module, self.layout.zero_stage)
             self._buffers = ReplicaBuffers(module, self._data_parallel_group())
         self.barrier()
         if not isinstance(self.precision_plugin, ds_state.EnginePrecision):

@@ -27,6 +27,7 @@ from lightning_hybrid._protocols import PipelineLossScaling
 from lightning_hybrid.contract import contract_batch
 from lightning_hybrid.strategies._layout import Layout, last_stage_rank
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
+from lightning_hybrid.strategies.pipeline.failures import PipelineFailures
 from lightning_hybrid.strategies.pipeline.split import build_schedule
 
 __all__ = ["PipelineRunner", "pipeline_loss_scaling"]
@@ -77,6 +78,7 @@ class PipelineRunner:
         )
         self._pending: list[Tensor | None] | None = None
         self._divisor = 1  # micro-batches x accumulation count of the step being run
+        self.failures = PipelineFailures(stages=stage_ids)  # a failure on some stages, raised on every rank
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for stage in self.stage_modules for p in stage.parameters() if p.requires_grad]
@@ -137,8 +139,11 @@ class PipelineRunner:
             units = dist.get_world_size() * self.layout.num_microbatches
             self.counted.agree_reference(self.counted.count(target), units, group=None)
         self._parts = []
+        self.failures.watch()
         try:
             output = run(*args, target=target, losses=losses)
+        except Exception as exc:
+            raise self.failures.failed(exc) from exc
         finally:
             divisor, self._divisor = self._divisor, 1
         if self.counted is not None:
@@ -149,7 +154,10 @@ class PipelineRunner:
             if self.loss_scaling is not None:
                 loss = self.loss_scaling.unscale_pipeline_loss(loss)
             loss = loss * divisor  # the micro-batches' mean of the losses themselves
-        dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
+        try:
+            dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
+        except Exception as exc:  # a stage of another replica failed
+            raise self.failures.failed(exc) from exc
         loss = loss / self.layout.data_parallel_size
         return loss, output if self.holds_last_stage else None, target
 
@@ -195,6 +203,8 @@ class PipelineRunner:
 
     def reset(self) -> None:
         self._pending = None
+        self.failures.close()
+        self.failures = PipelineFailures(stages=self.stage_ids)
 
     # ------------------------------------------------------------------------------------ evaluation
 

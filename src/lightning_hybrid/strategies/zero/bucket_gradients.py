@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue, Finish, bucket_ranges
 from lightning_hybrid.strategies.zero.collectives import reduce_to_owners
-from lightning_hybrid.strategies.zero.flat_gradients import GroupGradients
+from lightning_hybrid.strategies.zero.elsewhere import is_gradient
+from lightning_hybrid.strategies.zero.group_gradients import GroupGradients
 
 __all__ = ["BucketGradients"]
 
@@ -23,6 +24,7 @@ class BucketGradients(GroupGradients):
     """ZeRO-2, every micro-batch: buckets reduced to their shards' owners during backward, in the queue's order."""
 
     averaged_every_backward = True
+    holds_whole = False
 
     def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
         self.queue = queue
@@ -54,11 +56,34 @@ class BucketGradients(GroupGradients):
         return all(i in bucket.arrived for i in bucket.members if i in self.hooked)
 
     def holds(self, bucket: Bucket) -> bool:
-        return bucket.buffer is not None or any(self.params[i].grad is not None for i in bucket.members)
+        return bucket.buffer is not None or any(is_gradient(self.params[i].grad) for i in bucket.members)
+
+    def after_backward(self) -> None:
+        super().after_backward()
+        if self.user.reads_after_backward:  # user code looks at .grad next: it says where the gradient went
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    p.grad = self._placeholder(i)
+
+    def _buffer(self) -> Tensor:
+        raise AssertionError("ZeRO-2's default keeps no buffer of the window's whole gradient")
+
+    def _taken(self, index: int) -> bool:
+        return True  # every gradient was handed off when backward ended: a tensor in .grad is user code's
+
+    def _elsewhere_message(self, index: int) -> str:
+        return (
+            f"{self.names[index]}.grad: under zero_stage=2 (reduce_gradients='every_microbatch') each gradient is"
+            " handed off to its bucket during backward and reduced to the data-parallel ranks that own its"
+            " slices, so no rank holds it whole between backward and the step. Edit gradients with a tensor hook"
+            " (param.register_hook), or element-wise in on_before_optimizer_step through optimizer.param_groups"
+            " (this rank's shard); or use ZeroConfig(reduce_gradients='once_per_step') or zero_stage=1, under"
+            " which on_after_backward sees the replicas' mean gradient as under DDP."
+        )
 
     def _hand_off(self, bucket: Bucket, index: int) -> None:
         p = self.params[index]
-        if p.grad is None:
+        if not is_gradient(p.grad):
             return
         self.used[index] = True
         if bucket.buffer is None:  # not zeroed: each member's first gradient is copied in, the rest added

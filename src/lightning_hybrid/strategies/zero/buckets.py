@@ -170,6 +170,7 @@ class ReplicatedBuckets:
         self.buckets = self._plan(list(reversed(range(len(params)))))
         self.reduced: set[int] = set()  # parameter indices reduced in this window
         self.used = [False] * len(params)  # this rank had a gradient for it when its bucket was reduced
+        self.views: dict[int, Tensor] = {}  # each reduced parameter's view of its bucket (its .grad, if untouched)
         self._order: list[int] | None = []  # backward's order in the first window (None once applied)
         self._early = False  # a window was reduced during backward
         self._bucket_of: dict[int, Bucket] = {i: b for b in self.buckets for i in b.members}
@@ -219,6 +220,7 @@ class ReplicatedBuckets:
         for p in params:
             p.grad = None  # freed now; the bucket's views replace them when the reduction is done
         work = dist.all_reduce(flat, group=self.group, async_op=True)
+        bucket_members = list(bucket.members)
         bucket.arrived = set()
         self.reduced.update(bucket.members)
 
@@ -227,8 +229,8 @@ class ReplicatedBuckets:
             work.wait()
             flat.div_(self.world)
             offset = 0
-            for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p)
+            for i, p in zip(bucket_members, params):
+                p.grad = self.views[i] = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
 
         return finish

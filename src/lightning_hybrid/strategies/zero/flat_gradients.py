@@ -24,12 +24,20 @@ order, on every rank; where parameters arrive late or never, only the overlap is
 A parameter's gradient counts as produced when backward reached it (``used``); which parameters no rank
 produced a gradient for is agreed when the window closes (:class:`FlatShardedOptimizer`), and those are
 not stepped, as in one process.
+
+User code between backward and the step (``UserGradientCode``): ``.grad`` is a view of the buffer while a
+window accumulates, so an edit in place lands in it; a gradient assigned there replaces what the view held
+(and ``None`` drops it), as it would in one process. Where user code reads the gradient after the window's
+last backward (``on_after_backward``, manual optimization), ZeRO-1 and ``once_per_step`` are "full": the
+buffer is all-reduced when backward ends, so ``.grad`` is the replicas' mean there, as under DDP (the bytes
+of DDP's all-reduce, plus the parameters' all-gather), and what user code changes is settled before the step
+(:meth:`GroupGradients.edits`). From the step's start each rank keeps only its shard: ``.grad`` of the
+model's parameters is then a :class:`GradientElsewhere` where user code can look (None where none can).
 """
 
 from __future__ import annotations
 
 import functools
-from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -38,145 +46,19 @@ from torch import Tensor, nn
 
 from lightning_hybrid.strategies.zero.buckets import Bucket, BucketQueue, Finish, bucket_ranges
 from lightning_hybrid.strategies.zero.collectives import reduce_to_owners
+from lightning_hybrid.strategies.zero.group_gradients import GroupGradients
 
-__all__ = ["FlatGradients", "GroupGradients", "WindowGradients"]
-
-
-class GroupGradients(ABC):
-    """The gradients of one flat group: ``params`` at ``offsets`` of a buffer of ``padded`` elements."""
-
-    averaged_every_backward = False  # whether the gradient is the replicas' mean after each backward
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        offsets: list[int],
-        padded: int,
-        *,
-        group: dist.ProcessGroup,
-        dtype: torch.dtype,
-        device: torch.device,
-        names: list[str],
-    ) -> None:
-        self.params, self.offsets, self.padded, self.names = params, offsets, padded, names
-        self.group = group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.shard_numel = padded // self.world
-        self.dtype, self.device = dtype, device
-        self.used = [False] * len(params)  # this rank produced a gradient for it in this window
-        self.hooked: set[int] = set()
-        self.watch_trainable()
-
-    def watch_trainable(self) -> None:
-        """Hook the parameters that are trainable now (a parameter unfrozen later is hooked at the next step;
-        until then its gradient is collected when the window closes)."""
-        for i, p in enumerate(self.params):
-            if p.requires_grad and i not in self.hooked:
-                self._hook(i, p)
-                self.hooked.add(i)
-
-    @abstractmethod
-    def _hook(self, index: int, param: nn.Parameter) -> None: ...
-
-    def _refuse_graph(self, index: int) -> None:
-        """Called when autograd accumulated a parameter's gradient: a backward with ``create_graph=True``
-        (grad mode on inside it) accumulates out of place (``.grad`` becomes a new tensor holding the earlier
-        gradient too) and keeps a graph a flat buffer cannot: refused, on every rank alike (each runs the same
-        backward)."""
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                f"backward(create_graph=True) reached {self.names[index]}: ZeRO-1/2 move gradients into flat"
-                " buffers, which keep no graph (and an out-of-place"
-                " accumulation would count an earlier micro-batch twice). For a gradient penalty use"
-                " torch.autograd.grad(..., create_graph=True), which does not accumulate into .grad; for"
-                " second-order training use zero_stage=0 or 3."
-            )
-
-    def segment(self, flat: Tensor, index: int) -> Tensor:
-        off, p = self.offsets[index], self.params[index]
-        return flat[off : off + p.numel()]
-
-    def note_gradients(self) -> None:
-        """Gradients that reached ``.grad`` without the hooks (a schedule's own accumulation) count as produced."""
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                self.used[i] = True
-
-    def after_backward(self) -> None:
-        """A backward (or a pipeline schedule's backwards) finished: gradients that are not in the buffer yet
-        (a schedule accumulated weight gradients itself) go there now, before ``zero_grad`` could unlink them."""
-        self.note_gradients()
-
-    @abstractmethod
-    def reduce(self, shard: nn.Parameter) -> None:
-        """The window closed: ``shard.grad`` becomes this rank's slice of the replicas' mean gradient."""
-
-    def after_step(self, shard: nn.Parameter) -> None:
-        shard.grad = None
-        self.used = [False] * len(self.params)
-        self.watch_trainable()
-
-    def local_gradients(self) -> list[Tensor]:
-        """The gradient accumulated so far in the window, as this rank holds it (for the noise scale)."""
-        return [p.grad for p in self.params if p.grad is not None]
-
-    def clear(self) -> None:
-        """``optimizer.zero_grad()``: every gradient of the window is discarded, wherever it is held."""
-        for p in self.params:
-            p.grad = None
-        self.used = [False] * len(self.params)
-
-    # ------------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _absorb(self, flat: Tensor) -> None:
-        """Add every gradient that is not a view of ``flat`` (a schedule that accumulated weight gradients
-        itself) into it and make it a view. ``None`` only unlinks a gradient (Lightning's ``zero_grad`` between
-        a pipeline's backward and its own): the buffer keeps what accumulated."""
-        for i, p in enumerate(self.params):
-            segment = self.segment(flat, i)
-            if p.grad is not None and p.grad.data_ptr() != segment.data_ptr():
-                segment.add_(p.grad.reshape(-1))
-                p.grad = segment.view_as(p)
-
-    def _strays(self, flat: Tensor | None) -> bool:
-        return any(
-            p.grad is not None and (flat is None or p.grad.data_ptr() != self.segment(flat, i).data_ptr())
-            for i, p in enumerate(self.params)
-        )
-
-    def _shard_slice(self) -> slice:
-        return slice(self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel)
+__all__ = ["FlatGradients", "WindowGradients"]
 
 
-class _AccumulatingGradients(GroupGradients):
-    """Gradients that accumulate in place in one flat buffer of the group (ZeRO-1, ZeRO-2 once per step)."""
-
-    def _hook(self, index: int, param: nn.Parameter) -> None:
-        param.register_hook(functools.partial(self._arriving, index))
-        param.register_post_accumulate_grad_hook(lambda _, i=index: self._refuse_graph(i))
-
-    def _arriving(self, index: int, grad: Tensor) -> Tensor:
-        # before backward accumulates: point .grad at the flat buffer, so it accumulates there in place
-        flat = self._buffer()
-        p = self.params[index]
-        if p.grad is None:
-            p.grad = self.segment(flat, index).view_as(p)
-        self.used[index] = True
-        return grad
-
-    @abstractmethod
-    def _buffer(self) -> Tensor:
-        """The flat buffer gradients accumulate in."""
-
-
-class FlatGradients(_AccumulatingGradients):
+class FlatGradients(GroupGradients):
     """ZeRO-1: a persistent flat gradient buffer; ``param.grad`` are its views while the window accumulates.
     The window's last backward reduces it to the shards' owners bucket by bucket in the queue's order as
     backward completes each (``queue.armed``); a window closed otherwise (manual optimization, a pipeline's
     schedule) is reduced when the step needs it. Then each rank holds the replicas' mean of its own shard only
     (what it steps), so ``param.grad`` is unlinked (as under ZeRO-2): the rest of the buffer holds this rank's
-    own sums. A reduce-scatter and the parameters' all-gather move what DDP's one all-reduce moves."""
+    own sums. A reduce-scatter and the parameters' all-gather move what DDP's one all-reduce moves. Full (user
+    code reads the gradient after backward): all-reduced when backward ends instead, never during it."""
 
     def __init__(self, *args: Any, bucket_numel: int, queue: BucketQueue, **kwargs: Any) -> None:
         self.flat = torch.zeros(args[2], dtype=kwargs["dtype"], device=kwargs["device"])
@@ -185,7 +67,6 @@ class FlatGradients(_AccumulatingGradients):
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
         self._dirty = False  # the buffer holds something since it was last zeroed
-        self._reduced = False  # reduced, not stepped yet: this rank's shard holds the mean, the rest its own sums
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
@@ -205,11 +86,7 @@ class FlatGradients(_AccumulatingGradients):
             self.queue.late = self.queue.late or self.names[index]
             return
         self._reopen()
-        segment, grad = self.segment(self._buffer(), index), self.params[index].grad
-        if grad is not None and grad.data_ptr() != segment.data_ptr():
-            with torch.no_grad():
-                segment.add_(grad.reshape(-1))
-            self.params[index].grad = segment.view_as(grad)
+        self._take(index, self._buffer())
         self.used[index] = True
         if self.queue.armed:
             bucket.arrived.add(index)
@@ -226,10 +103,7 @@ class FlatGradients(_AccumulatingGradients):
     def start_reduction(self, bucket: Bucket) -> Finish:
         self._reopen()
         for i in bucket.members:  # a gradient that is not a view of the buffer (a schedule's own) goes in first
-            p, segment = self.params[i], self.segment(self._buffer(), i)
-            if p.grad is not None and p.grad.data_ptr() != segment.data_ptr():
-                segment.add_(p.grad.reshape(-1))
-                p.grad = segment.view_as(p)
+            self._take(i, self._buffer())
         pending = reduce_to_owners(self.flat, bucket.owners, self.group)
         bucket.arrived, bucket.started = set(), True
 
@@ -248,28 +122,18 @@ class FlatGradients(_AccumulatingGradients):
             # mean, so ``.grad`` is unlinked before on_after_backward could read it (as under ZeRO-2)
             for p in self.params:
                 p.grad = None
+            self.linked.clear()
         elif not any(bucket.started for bucket in self.buckets) and self._strays(self.flat):
             self._reopen()
-            self._absorb(self._buffer())
-
-    @torch.no_grad()
-    def _reopen(self) -> None:
-        """Gradients arrive after the window was reduced and before its step (manual optimization clipped, then
-        ran another backward): the buffer becomes a sum again, so that reducing it once more adds the new
-        gradients to what was reduced (and clipped) before, exactly: this rank's shard back to the replicas'
-        sum, the rest (this rank's own sums, already counted) zero."""
-        if not self._reduced:
-            return
-        self._reduced = False
-        own = self._shard_slice()
-        self.flat[own].mul_(self.world)
-        self.flat[: own.start].zero_()
-        self.flat[own.stop :].zero_()
+            self._take_all(self._buffer())
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
+        if self.full:
+            self._reduce_full(shard, self._buffer())
+            return
         self._reopen()
-        self._absorb(self._buffer())
+        self._take_all(self._buffer())
         if not all(bucket.started for bucket in self.buckets):  # not reduced during backward
             s = self.shard_numel
             reduce_to_owners(self.flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
@@ -279,13 +143,12 @@ class FlatGradients(_AccumulatingGradients):
         shard.grad = self.flat[self._shard_slice()]
         for p in self.params:  # the buffer outside this rank's shard holds its own sums, not the mean
             p.grad = None
+        self.linked.clear()
         self._reduced = True
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
         self._zero()
-        for p in self.params:
-            p.grad = None
         super().after_step(shard)
 
     @torch.no_grad()
@@ -296,14 +159,14 @@ class FlatGradients(_AccumulatingGradients):
         super().clear()
 
     def _zero(self) -> None:
-        self._reduced = False
         if self._dirty:  # zeroed at the step's end, and Lightning's zero_grad follows: once is enough
             self.flat.zero_()
             self._dirty = False
 
 
-class WindowGradients(_AccumulatingGradients):
-    """ZeRO-2, once per step: a flat buffer from the window's first gradient, reduce-scattered, freed."""
+class WindowGradients(GroupGradients):
+    """ZeRO-2, once per step: a flat buffer from the window's first gradient, reduce-scattered, freed (full:
+    all-reduced when backward ends and kept until the step)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.flat: Tensor | None = None
@@ -314,27 +177,48 @@ class WindowGradients(_AccumulatingGradients):
             self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         return self.flat
 
+    def _hook(self, index: int, param: nn.Parameter) -> None:
+        param.register_hook(functools.partial(self._arriving, index))
+        param.register_post_accumulate_grad_hook(lambda _, i=index: self._refuse_graph(i))
+
+    def _arriving(self, index: int, grad: Tensor) -> Tensor:
+        # before backward accumulates: .grad becomes the buffer's view (what user code put there taken in
+        # first), so backward accumulates into the buffer in place
+        flat = self._buffer()
+        p = self.params[index]
+        self._take(index, flat)
+        if p.grad is None:
+            p.grad = self.segment(flat, index).view_as(p)
+            self.linked.add(index)
+        self.used[index] = True
+        return grad
+
     def after_backward(self) -> None:
         super().after_backward()
         if self._strays(self.flat):
-            if self.flat is None:
-                self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-            self._absorb(self.flat)
+            self._take_all(self._buffer())
 
     @torch.no_grad()
     def reduce(self, shard: nn.Parameter) -> None:
-        if self.flat is None:  # no gradient through the hooks in this window
-            self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self._absorb(self.flat)
+        if self.full:
+            self._reduce_full(shard, self._buffer())
+            return
+        flat = self._buffer()  # zeros when no gradient came through the hooks in this window
+        self._take_all(flat)
         # each rank's slice reduced to it (a reduce-scatter), then only this rank's slice is kept
         s = self.shard_numel
-        reduce_to_owners(self.flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
-        mean = self.flat[self._shard_slice()].div_(self.world)
-        # reduced before in this window (manual optimization clipped, then ran another backward): added to it
+        reduce_to_owners(flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
+        mean = flat[self._shard_slice()].div_(self.world)
+        # reduced before in this window (a backward after the reduction, before the step): added to it
         shard.grad = mean.clone() if shard.grad is None else shard.grad.add_(mean)
         for p in self.params:
             p.grad = None
+        self.linked.clear()
         self.flat = None  # the full gradient is gone before the step
+
+    def after_step(self, shard: nn.Parameter) -> None:
+        self.flat = None
+        super().after_step(shard)
 
     def clear(self) -> None:
         self.flat = None

@@ -21,6 +21,8 @@ Checkpoints: ``flat_state.FlatStateDict``.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +31,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid.optim.layerwise import TensorPartition
+from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
-from lightning_hybrid.strategies.zero.collectives import gather_shards
-from lightning_hybrid.strategies.zero.flat_gradients import FlatGradients, GroupGradients, WindowGradients
+from lightning_hybrid.strategies.zero.flat_gradients import FlatGradients, WindowGradients
 from lightning_hybrid.strategies.zero.flat_state import FlatStateDict
+from lightning_hybrid.strategies.zero.flat_step import FlatStep
+from lightning_hybrid.strategies.zero.group_gradients import GroupGradients
+from lightning_hybrid.strategies.zero.sharded_state import ShardedState, checkpoint_advice
 
 __all__ = ["FlatShardedOptimizer"]
 
@@ -69,7 +73,7 @@ class _FlatGroup:
         return self.shard.numel()
 
 
-class FlatShardedOptimizer(FlatStateDict):
+class FlatShardedOptimizer(FlatStep, FlatStateDict):
     """Owns the sharding of one optimizer; the strategy calls it around Lightning's optimizer step."""
 
     def __init__(
@@ -82,6 +86,7 @@ class FlatShardedOptimizer(FlatStateDict):
         reduce_gradients: str = "every_microbatch",
         bucket_numel: int = 2**22,
         queue: BucketQueue | None = None,
+        user: UserGradientCode | None = None,
     ) -> None:
         assert zero_stage in (1, 2), zero_stage  # the layout validated it
         fresh_adagrad = isinstance(optimizer, torch.optim.Adagrad) and all(
@@ -108,11 +113,20 @@ class FlatShardedOptimizer(FlatStateDict):
         # zero_grad at a window's first batch must not discard the gradients the schedule just produced
         self.hold = False
         self.problem: str | None = None  # adopting added groups failed on this rank: agreed by reduce_gradients
-        self._zero_grad = optimizer.zero_grad
-        # the optimizer's zero_grad discards the flat buffers and buckets too (set on the instance: the optimizer
-        # keeps its class and identity; Lightning and user code call it as before)
+        self.user_problem: str | None = None  # user code assigned a gradient the pack had taken (refused)
+        self.user = user or UserGradientCode()
+        self._zero_grad, self._step = optimizer.zero_grad, optimizer.step
+        # the optimizer's zero_grad discards the flat buffers and buckets too, and its step first checks what user
+        # code did to the gradients since the step began (set on the instance: the optimizer keeps its class and
+        # identity; Lightning and user code call both as before)
         optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+        # a method of the optimizer itself: an LR scheduler made later (SWALR) rebinds what it wraps to the optimizer
+        optimizer.step = types.MethodType(_stepping(self), optimizer)  # type: ignore[method-assign]
+        # user code reading or writing whole optimizer state is told where it is (``sharded_state``)
+        optimizer.state_dict = self._refuse_state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = self._refuse_state_dict  # type: ignore[method-assign]
         self.sync_groups()
+        self._keep_state_sharded()
 
     # ------------------------------------------------------------------------------------------- groups
 
@@ -207,7 +221,8 @@ class FlatShardedOptimizer(FlatStateDict):
         self, params: list[nn.Parameter], offsets: list[int], padded: int, dtype: torch.dtype, device: torch.device
     ) -> GroupGradients:
         names = [self.names[p] for p in params]
-        kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device, "names": names}
+        kwargs: dict[str, Any] = {"group": self.group, "dtype": dtype, "device": device, "names": names,
+                                  "zero_stage": self.zero_stage, "user": self.user}  # fmt: skip
         if self.zero_stage == 2 and self.reduce_mode == "once_per_step":
             return WindowGradients(params, offsets, padded, **kwargs)
         kwargs.update(bucket_numel=self.bucket_numel, queue=self.queue)
@@ -224,8 +239,18 @@ class FlatShardedOptimizer(FlatStateDict):
         for settings, groups in self._settings():
             settings["params"] = [c.tensor for g in groups for c in g.chunks]
 
+    def _refuse_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"optimizer.state_dict() / load_state_dict(): {checkpoint_advice(self.zero_stage)}")
+
+    def _keep_state_sharded(self) -> None:
+        if not isinstance(self.optimizer.state, ShardedState):
+            self.optimizer.state = ShardedState(
+                self.optimizer.state, name_of=self.names.get, zero_stage=self.zero_stage
+            )
+
     def swap_out(self) -> None:
         """The rest of the time: the model's own parameters (callbacks and LR schedulers see them)."""
+        self._keep_state_sharded()
         if not self._stepping:
             return
         for settings, groups in self._settings():
@@ -247,110 +272,6 @@ class FlatShardedOptimizer(FlatStateDict):
                 segments[c.tensor] = [(first + c.index, 0, c.stop - c.start)]
             first += len(g.params)
         return TensorPartition(segments, first, self.group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad()``: discard the window's gradients wherever they are held (the flat buffers,
-        ZeRO-2's buckets and shard gradients), as it would discard ``.grad`` without ZeRO."""
-        if self.hold:
-            return
-        for g in self.groups:
-            g.grads.clear()
-            g.shard.grad = None
-            for c in g.chunks:
-                c.tensor.grad = None
-        self._zero_grad(set_to_none)  # the .grad of what the groups hold now (a group not flattened yet too)
-
-    # ---------------------------------------------------------------------------------------- the step
-
-    def after_backward(self) -> None:
-        """A backward (one micro-batch, or a pipeline schedule's) finished."""
-        for g in self.groups:
-            g.grads.after_backward()
-
-    @torch.no_grad()
-    def reduce_gradients(self) -> None:
-        """The window closed: each rank's shard gets its slice of the replicas' mean gradient; parameters no
-        rank produced a gradient for get none (not stepped). One small all-reduce checks that every rank
-        agrees on the groups, issued the same reductions and adopted added groups without a failure
-        (``problem``); a second, only when some parameter went unused on some rank, agrees on which."""
-        problem, self.problem = self.problem, None
-        values = [0] * 9 + [1]  # a rank that failed to adopt a group only says so (its groups may be half built)
-        if problem is None:
-            self.load_parameters_into_shards()  # a callback that rebound a parameter's .data: its values go back in
-            for g in self.groups:
-                g.grads.note_gradients()
-            used = [u for g in self.groups for u in g.grads.used]
-            values = [
-                *(len(self.groups), -len(self.groups), len(used), -len(used)),
-                *(self.queue.signature, -self.queue.signature),
-                int(self.queue.pending()),
-                int(any(not u and p.requires_grad for g in self.groups for u, p in zip(g.grads.used, g.params))),
-                int(self.queue.late is not None),
-                0,
-            ]
-        header = torch.tensor(values, dtype=torch.int64, device=self._device)
-        dist.all_reduce(header, op=dist.ReduceOp.MAX, group=self.group)
-        *agreed, failed = header.tolist()
-        if failed:  # every rank raises the failures' messages, naming the ranks
-            raise_agreed(problem, RuntimeError, device=self._device)
-        groups_max, groups_min, params_max, params_min, sig_max, sig_min, pending, unused, late = agreed
-        if groups_max != -groups_min or params_max != -params_min:
-            raise RuntimeError(
-                "The data-parallel ranks hold different parameter groups for this optimizer"
-                f" ({-groups_min}..{groups_max} flat groups, {-params_min}..{params_max} parameters): a callback"
-                " changed the param groups on some ranks only. Change them on every rank."
-            )
-        if sig_max != -sig_min:
-            raise RuntimeError(
-                "The data-parallel ranks reduced different ZeRO-2 gradient buckets in this step (a backward that ran"
-                " on some ranks only). Use ZeroConfig(reduce_gradients='once_per_step')."
-            )
-        if late:
-            self.queue.raise_late(self.group, self._device)
-        if pending:  # gradients that no backward boundary took (every rank flushes, so the order holds)
-            self.queue.end_backward()
-        for g in self.groups:
-            if g.params:
-                g.grads.reduce(g.shard)
-        if unused:
-            mask = torch.tensor(used, dtype=torch.uint8, device=self._device)
-            dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)
-            used = [bool(u) for u in mask.tolist()]
-        first = 0
-        for g in self.groups:
-            grad = g.shard.grad
-            for c in g.chunks:
-                c.tensor.grad = None if grad is None or not used[first + c.index] else grad[c.start : c.stop]
-            for i, p in enumerate(g.params):
-                if not used[first + i]:
-                    p.grad = None  # as in one process: no gradient, not stepped
-            first += len(g.params)
-
-    @torch.no_grad()
-    def scale_gradients(self, scale: float) -> None:
-        """Multiply the reduced gradients (this rank's shard of them) by ``scale``."""
-        for g in self.groups:
-            if g.shard.grad is not None:
-                g.shard.grad.mul_(scale)
-
-    @property
-    def _device(self) -> torch.device:
-        # where the backend communicates: gloo on the host, NCCL on the parameters' device
-        if str(dist.get_backend(self.group)) == "gloo":
-            return torch.device("cpu")
-        return self.groups[0].flat.device if self.groups else torch.device("cpu")
-
-    @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """Every rank's updated shard back into the full parameters, in place (the shard is its own slice of the
-        output: nothing staged), while the gradient buffers are cleared."""
-        pending = [gather_shards(g.flat, g.shard_numel, self.group) for g in self.groups if g.params]
-        for g in (g for g in self.groups if g.params):
-            g.grads.after_step(g.shard)  # gradient buffers only: no gathered parameter among them
-            for c in g.chunks:
-                c.tensor.grad = None
-        for work in pending:
-            work.wait()
 
     @property
     def averaged_every_backward(self) -> bool:
@@ -388,3 +309,10 @@ def _flatten(
         out[off : off + p.numel()].copy_(p.detach().reshape(-1))
         p.data = out[off : off + p.numel()].view(p.shape)
     return out
+
+
+def _stepping(sharded: FlatShardedOptimizer) -> Callable[..., Any]:
+    def step(optimizer: Optimizer, closure: Any = None) -> Any:
+        return sharded.step(closure)
+
+    return step

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_hybrid._torch_compat import post_accumulate_hooks, tensor_hooks
 from lightning_hybrid.contract import has_forward
 
 __all__ = [
@@ -62,6 +63,15 @@ class UnitRule:
 def check_fully_shardable(module: nn.Module, rule: UnitRule, plan: list[str], *, pipelined: bool) -> None:
     """Refuse, with the names, what FSDP2 cannot shard into the units of ``plan`` (:func:`planned_units`);
     called on the whole module (before a pipeline cuts it), so every rank raises the same error."""
+    hooked = [n for n, p in module.named_parameters() if tensor_hooks(p) or post_accumulate_hooks(p)]
+    if hooked:
+        raise ValueError(
+            f"zero_stage=3 (FSDP2) replaces each parameter by its sharded DTensor and reduce-scatters gradients"
+            f" outside autograd's accumulation, so the tensor hooks registered on {', '.join(hooked[:3])}"
+            " (param.register_hook / register_post_accumulate_grad_hook) would never run. Edit the gradient in the"
+            " model instead (a custom autograd function, or a module's register_full_backward_hook), or use"
+            " zero_stage 0, 1 or 2, which keep the parameter and run its hooks."
+        )
     scalars = [n for n, p in module.named_parameters() if p.dim() == 0]
     if scalars:
         raise ValueError(

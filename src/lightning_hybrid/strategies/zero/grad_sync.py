@@ -27,15 +27,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_hybrid._agree import agree
 from lightning_hybrid.optim._shardable import check_shardable
+from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
-from lightning_hybrid.strategies.zero.buckets import BucketQueue, ReplicatedBuckets
-from lightning_hybrid.strategies.zero.config import ZeroConfig
+from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
+from lightning_hybrid.strategies.zero.outside import OutsideOptimizers
 
-__all__ = ["FullyShardedGradients", "GradientSync", "ReplicatedGradients", "named_parameters"]
+__all__ = ["FullyShardedGradients", "GradientSync", "comm_device", "local", "named_parameters"]
 
 
 class GradientSync:
@@ -58,21 +58,46 @@ class GradientSync:
         self.data_parallel_size = dist.get_world_size(data_parallel_group)
         self.ties = ties
         self._optimizer_index: dict[int, int] = {}
+        self.user = UserGradientCode()
+        self.outside: OutsideOptimizers | None = None  # trainable parameters no optimizer holds (ZeRO-0/1/2)
 
     # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
     # between a pipeline's training_step and backward: then the pipeline runner sets them aside
     optimizer_holds_model_parameters = True
 
-    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        """Take charge of the optimizers (before their first step): refuse one that sharding would change."""
+    def attach(
+        self, optimizers: list[Optimizer], names: dict[Tensor, str], user: UserGradientCode | None = None
+    ) -> None:
+        """Take charge of the optimizers (before their first step): refuse one that sharding would change.
+        ``user``: where user code reads or edits gradients between backward and the step."""
         for optimizer in optimizers:
             check_shardable(optimizer, self.zero_stage)
         self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
+        self.user = user or UserGradientCode()
         if self.ties is not None:  # on every rank: it agrees on the tied parameters' settings
             self.ties.attach(optimizers)
+        if self.zero_stage < 3 and self.data_parallel_size > 1:  # FSDP2 reduces every parameter of its units
+            self.outside = OutsideOptimizers(list(names), optimizers, self.data_parallel_group, self._comm_device)
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return comm_device(self.data_parallel_group, self.device)
+
+    def before_backward(self) -> None:
+        """A backward (or a pipeline schedule's backwards) is about to run."""
 
     def after_backward(self) -> None:
         """A backward (one micro-batch) finished."""
+
+    def average_outside(self) -> None:
+        """Every backward: the gradients of trainable parameters no optimizer holds become the replicas' mean,
+        as DDP makes them (user code updates such a parameter by hand from its ``.grad``)."""
+        if self.outside is not None:
+            self.outside.average()
+
+    def settle(self, optimizer: Optimizer) -> None:
+        """The window's gradients were reduced before user code ran (``on_after_backward``, manual optimization):
+        what it changed since is made the optimizer's, the same on every replica, before the step uses it."""
 
     def reductions_started(self) -> dict[str, int]:
         """Bucket reductions started while backward computed, and when it ended (ZeRO-0/1/2)."""
@@ -125,7 +150,7 @@ class GradientSync:
     def _scale(self, optimizer: Optimizer, scale: float) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         for g in grads:
-            _local(g).mul_(scale)
+            local(g).mul_(scale)
 
     def _reduce(self, optimizer: Optimizer) -> None:
         """ZeRO-3: FSDP2 reduce-scattered during backward."""
@@ -144,12 +169,12 @@ class GradientSync:
         grads = list(grads)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
-            total += _local(g).detach().float().pow(2).sum()
+            total += local(g).detach().float().pow(2).sum()
         # a parameter tied across stages has the same (summed) gradient on each: count it on its first stage
         given = {id(g) for g in grads}
         for param in self.ties.copies() if self.ties else []:
             for part in self._gradient_parts(param, given):
-                square = _local(part).detach().float().pow(2).sum()
+                square = local(part).detach().float().pow(2).sum()
                 total -= torch.where(square.isfinite(), square, 0.0)  # inf stays inf (the first stage has it too)
         dist.all_reduce(total, group=self._norm_group)
         return total.clamp_min(0).sqrt()
@@ -170,121 +195,6 @@ class GradientSync:
         return {}
 
 
-class ReplicatedGradients(GradientSync):
-    """ZeRO-0: every replica holds the whole stage; gradients are averaged by an all-reduce per bucket.
-
-    During the window's last backward each bucket's all-reduce starts as soon as backward completed it and is
-    waited for when backward ends (:class:`ReplicatedBuckets`, as DDP). A backward that did not close the
-    window through the optimizer step's closure (manual optimization, tied weights across stages) reduces when
-    the step needs it: each bucket (``ZeroConfig.bucket_size_mb``) of consecutive gradients copied into one
-    buffer, reduced, and the gradients become views of it (their own storage freed at once)."""
-
-    zero_stage = 0
-    averaged_every_backward = False  # synchronised once per window, when it closes
-
-    def __init__(self, *, config: ZeroConfig, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.bucket_bytes = int(config.bucket_size_mb * 2**20)
-        self.queue = BucketQueue(
-            launch_in_backward=config.overlap_reductions, max_in_flight=config.max_buckets_in_flight
-        )
-        self.queue.armed = False
-        self._buckets: ReplicatedBuckets | None = None
-        self._index: dict[Tensor, int] = {}
-        self._pipelined = False
-
-    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        super().attach(optimizers, names)
-        if self.data_parallel_size == 1 or self.ties or self._buckets is not None:
-            return
-        params = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}.values())
-        params = [p for p in params if p.requires_grad]
-        self._index = {p: i for i, p in enumerate(params)}
-        self._buckets = ReplicatedBuckets(
-            params, [names.get(p, "?") for p in params], bucket_bytes=self.bucket_bytes,
-            group=self.data_parallel_group, queue=self.queue,
-        )  # fmt: skip
-
-    def watch_pipeline(
-        self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
-    ) -> None:
-        # the schedule's backward passes run inside training_step, and the runner sets this micro-batch's
-        # gradients aside until Lightning's backward: the step reduces, as before
-        self._pipelined = True
-
-    def window_closes(self, closing: bool) -> None:
-        self.queue.armed = closing and self._buckets is not None and not self._pipelined
-
-    def after_backward(self) -> None:
-        self.queue.end_backward()
-
-    def after_step(self, optimizer: Optimizer) -> None:
-        super().after_step(optimizer)
-        if self._buckets is not None:
-            self._buckets.after_window()
-
-    @torch.no_grad()
-    def _reduce(self, optimizer: Optimizer) -> None:
-        dp = self.data_parallel_size
-        if dp == 1:
-            return
-        every = [p for group in optimizer.param_groups for p in group["params"]]
-        early, used = self._buckets.take() if self._buckets is not None else (set(), [])
-        # reduced during backward, frozen since included (its zeros must not step it under weight decay)
-        done = [p for p in every if self._index.get(p, -1) in early]
-        params = [p for p in every if p.requires_grad and self._index.get(p, -1) not in early]
-        if done:  # reduced during backward: those no replica had a gradient for are not stepped
-            # its own collective, at the step: a gradient can still arrive late after backward's end (a backward in
-            # on_after_backward), on some ranks only, and every rank must refuse before any steps
-            mine = [used[self._index[p]] for p in done] + [self.queue.late is not None]
-            flags = torch.tensor(mine, dtype=torch.uint8, device=self._comm_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-            *anywhere_used, late = flags.tolist()
-            if late:  # on every rank alike, before any rank steps
-                self.queue.raise_late(self.data_parallel_group, self._comm_device)
-            for p, anywhere in zip(done, anywhere_used):
-                if not anywhere:
-                    p.grad = None
-            if not params:
-                return
-        # a parameter no replica produced a gradient for is not stepped, as in one process (a zero gradient
-        # would still move it under weight decay or momentum); which ones is agreed, the check costs one flag
-        has = [p.grad is not None for p in params]
-        (unused,) = agree([float(not all(has))], device=self._comm_device, group=self.data_parallel_group)
-        if unused:
-            flags = torch.tensor(has, dtype=torch.uint8, device=self._comm_device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-            params = [p for p, used in zip(params, flags.tolist()) if used]
-        bucket: list[Tensor] = []
-        for i, p in enumerate(params):
-            bucket.append(p)
-            same = i + 1 < len(params) and (params[i + 1].dtype, params[i + 1].device) == (p.dtype, p.device)
-            if not same or sum(q.numel() * q.element_size() for q in bucket) >= self.bucket_bytes:
-                self._reduce_bucket(bucket, dp)
-                bucket = []
-
-    @property
-    def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if str(dist.get_backend(self.data_parallel_group)) == "gloo" else self.device
-
-    def _reduce_bucket(self, params: list[Tensor], dp: int) -> None:
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype,
-                          device=p.device) for p in params])  # fmt: skip
-        dist.all_reduce(flat, group=self.data_parallel_group)
-        flat.div_(dp)
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    @property
-    def _norm_group(self) -> dist.ProcessGroup | None:
-        return self.pipeline_group  # replicas hold the same gradients: add the stages only
-
-    def gradient_holders(self) -> int:
-        return self.data_parallel_size
-
-
 class FullyShardedGradients(GradientSync):
     """ZeRO-3 (FSDP2): parameters, gradients and optimizer state are DTensors sharded over the group. A
     parameter no replica used in the window gets no gradient (``UnitGradients`` gave it zeros for FSDP2's
@@ -295,23 +205,51 @@ class FullyShardedGradients(GradientSync):
         self.units = units
         self._by_name: dict[str, Tensor] = {}
         self._names: dict[Tensor, str] = {}
+        self._trainable: list[bool] | None = None  # requires_grad at the window's first backward
 
-    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        super().attach(optimizers, names)
+    def before_backward(self) -> None:
+        # FSDP2 computes the gradient of the unsharded parameter, whose requires_grad it set when it was built: a
+        # parameter frozen between two backward passes of a window would still be trained by the later ones
+        now = [p.requires_grad for p in self._names]
+        if self._trainable is None:
+            self._trainable = now
+        elif now != self._trainable:
+            changed = [n for n, a, b in zip(self._names.values(), now, self._trainable) if a != b]
+            raise RuntimeError(
+                f"{', '.join(changed[:3])} changed requires_grad between two backward passes of one optimizer step"
+                " under zero_stage=3: FSDP2 keeps computing the gradients of the unsharded parameters, so the"
+                " later backward passes would still train them. Freeze or unfreeze between optimizer steps (in"
+                " on_train_batch_start of a window's first batch, or on_train_epoch_start), or use zero_stage 0,"
+                " 1 or 2."
+            )
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        super().after_step(optimizer)
+        self._trainable = None
+
+    def attach(
+        self, optimizers: list[Optimizer], names: dict[Tensor, str], user: UserGradientCode | None = None
+    ) -> None:
+        super().attach(optimizers, names, user)
         self._names = dict(names)
         self._by_name = {n: p for p, n in names.items()}
 
     def _reduce(self, optimizer: Optimizer) -> None:
         if self.units is None:
             return
-        device = torch.device("cpu") if str(dist.get_backend(self.data_parallel_group)) == "gloo" else self.device
+        device = self._comm_device
         mine = {n for group in optimizer.param_groups for p in group["params"] for n in [self._names.get(p)] if n}
         for name in self.units.unused_everywhere(mine, device):
             self._by_name[name].grad = None
 
 
-def _local(t: Tensor) -> Tensor:
+def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def comm_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where ``group``'s backend communicates: the host for gloo, else ``device``."""
+    return torch.device("cpu") if str(dist.get_backend(group)) == "gloo" else device
 
 
 def named_parameters(module: nn.Module) -> dict[Tensor, str]:

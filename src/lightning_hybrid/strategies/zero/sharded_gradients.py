@@ -15,6 +15,7 @@ from lightning_hybrid._agree import raise_agreed
 from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid._torch_compat import queue_backward_callback
 from lightning_hybrid.optim._shardable import check_shardable
+from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
@@ -48,8 +49,10 @@ class ShardedOptimizerGradients(GradientSync):
     def averaged_every_backward(self) -> bool:  # type: ignore[override]
         return bool(self._sharded) and all(s.averaged_every_backward for s in self._sharded.values())
 
-    def attach(self, optimizers: list[Optimizer], names: dict[Tensor, str]) -> None:
-        super().attach(optimizers, names)
+    def attach(
+        self, optimizers: list[Optimizer], names: dict[Tensor, str], user: UserGradientCode | None = None
+    ) -> None:
+        super().attach(optimizers, names, user)
         bucket = int(self.config.bucket_size_mb * 2**20)
         if self.zero_stage == 2 and self.config.reduce_gradients == "every_microbatch":
             # ZeRO-2's buckets are held until their reduction is done: the one filling and those in flight
@@ -65,6 +68,7 @@ class ShardedOptimizerGradients(GradientSync):
                 reduce_gradients=self.config.reduce_gradients,
                 bucket_numel=max(1, bucket // max(sizes, default=4)),
                 queue=self.queue,
+                user=self.user,
             )
             for opt in optimizers
         }
@@ -103,8 +107,17 @@ class ShardedOptimizerGradients(GradientSync):
         self._sharded[id(optimizer)].swap_out()
 
     def window_closes(self, closing: bool) -> None:
-        if self.zero_stage == 1:  # tied gradients are summed over their stages first, when the step needs them
-            self.queue.armed = closing and not self.ties
+        # tied gradients are summed over their stages first, when the step needs them; where user code reads the
+        # gradient after backward, the buffer is all-reduced when backward ends (GroupGradients.full)
+        if self.zero_stage == 1:
+            self.queue.armed = closing and not self.ties and not self.user.reads_after_backward
+
+    def before_backward(self) -> None:
+        for sharded in self._sharded.values():
+            sharded.before_backward()
+
+    def settle(self, optimizer: Optimizer) -> None:
+        self._sharded[id(optimizer)].settle()
 
     def watch_pipeline(
         self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]

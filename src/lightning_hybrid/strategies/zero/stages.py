@@ -11,7 +11,8 @@ import torch.distributed as dist
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
-from lightning_hybrid.strategies.zero.grad_sync import FullyShardedGradients, GradientSync, ReplicatedGradients
+from lightning_hybrid.strategies.zero.grad_sync import FullyShardedGradients, GradientSync
+from lightning_hybrid.strategies.zero.replicated import ReplicatedGradients
 from lightning_hybrid.strategies.zero.sharded_gradients import ShardedOptimizerGradients
 
 __all__ = ["gradient_sync"]

@@ -1,0 +1,149 @@
+"""ZeRO-0: every replica holds the whole stage; the optimizer steps the replicas' mean gradient, as under DDP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_hybrid.strategies._user_code import UserGradientCode
+from lightning_hybrid.strategies.zero.buckets import BucketQueue, ReplicatedBuckets
+from lightning_hybrid.strategies.zero.config import ZeroConfig
+from lightning_hybrid.strategies.zero.elsewhere import is_gradient
+from lightning_hybrid.strategies.zero.grad_sync import GradientSync
+
+__all__ = ["ReplicatedGradients"]
+
+
+class ReplicatedGradients(GradientSync):
+    """ZeRO-0: gradients are averaged by an all-reduce per bucket.
+
+    During the window's last backward each bucket's all-reduce starts as soon as backward completed it and is
+    waited for when backward ends (:class:`ReplicatedBuckets`, as DDP). A backward that did not close the
+    window through the optimizer step's closure (manual optimization, a pipeline's schedule, tied weights
+    across stages) is reduced when the step needs it, or at once when user code reads the gradients after
+    it: each bucket (``ZeroConfig.bucket_size_mb``) of consecutive gradients copied into one buffer, reduced,
+    and the gradients become views of it (their own storage freed at once).
+
+    What is averaged is what each replica's ``.grad`` holds: a gradient user code assigned (or dropped) after
+    the reduction is averaged again (a dropped one counts as zero where others have one), a parameter frozen
+    after part of the window still has its part averaged, and a parameter no replica has a gradient for is
+    not stepped, as in one process. Which of these apply is agreed in one small all-reduce per step."""
+
+    zero_stage = 0
+    averaged_every_backward = False  # synchronised once per window, when it closes
+
+    def __init__(self, *, config: ZeroConfig, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bucket_bytes = int(config.bucket_size_mb * 2**20)
+        self.queue = BucketQueue(
+            launch_in_backward=config.overlap_reductions, max_in_flight=config.max_buckets_in_flight
+        )
+        self.queue.armed = False
+        self._buckets: ReplicatedBuckets | None = None
+        self._index: dict[Tensor, int] = {}
+        self._pipelined = False
+        self._left: dict[int, Tensor | None] = {}  # what each parameter's .grad was when the pack last averaged it
+
+    def attach(
+        self, optimizers: list[Optimizer], names: dict[Tensor, str], user: UserGradientCode | None = None
+    ) -> None:
+        super().attach(optimizers, names, user)
+        if self.data_parallel_size == 1 or self.ties or self._buckets is not None:
+            return
+        params = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}.values())
+        params = [p for p in params if p.requires_grad]
+        self._index = {p: i for i, p in enumerate(params)}
+        self._buckets = ReplicatedBuckets(
+            params, [names.get(p, "?") for p in params], bucket_bytes=self.bucket_bytes,
+            group=self.data_parallel_group, queue=self.queue,
+        )  # fmt: skip
+
+    def watch_pipeline(
+        self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
+    ) -> None:
+        # the schedule's backward passes run inside training_step, and the runner sets this micro-batch's
+        # gradients aside until Lightning's backward: the step reduces, as before
+        self._pipelined = True
+
+    def window_closes(self, closing: bool) -> None:
+        self.queue.armed = closing and self._buckets is not None and not self._pipelined
+
+    def after_backward(self) -> None:
+        self.queue.end_backward()
+
+    def after_step(self, optimizer: Optimizer) -> None:
+        super().after_step(optimizer)
+        if self._buckets is not None:
+            self._buckets.after_window()
+
+    @torch.no_grad()
+    def _reduce(self, optimizer: Optimizer) -> None:
+        if self.data_parallel_size == 1:
+            return
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        early, used = self._buckets.take() if self._buckets is not None else (set(), [])
+        views = self._buckets.views if self._buckets is not None else {}
+        # reduced during backward and untouched since: its bucket's view of the mean (whether this replica had
+        # a part of it or sent zeros, ``used``); anything else this replica holds is averaged here
+        reduced = [self._index.get(p, -1) in early and p.grad is views.get(self._index[p]) for p in every]
+        has = [used[self._index[p]] if done else is_gradient(p.grad) for p, done in zip(every, reduced)]
+        needs = [h and not done for h, done in zip(has, reduced)]
+        # its own collective, at the step: a gradient can still arrive late after backward's end (a backward in
+        # on_after_backward), on some ranks only, and every rank must refuse before any steps
+        self._average(every, has, needs, late=self.queue.late is not None)
+
+    def settle(self, optimizer: Optimizer) -> None:
+        if self.data_parallel_size == 1:
+            return
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        has = [is_gradient(p.grad) for p in every]
+        changed = [p.grad is not self._left.get(id(p)) for p in every]
+        self._average(every, has, changed, late=False)
+
+    def _average(self, every: list[Tensor], has: list[bool], needs: list[bool], *, late: bool) -> None:
+        """Agree (one all-reduce) on which parameters any replica has a gradient for and which any replica
+        needs averaged; drop the gradients no replica has, average the others that need it (a replica without
+        one sends zeros)."""
+        flags = torch.tensor([*has, *needs, late], dtype=torch.uint8, device=self._comm_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+        values = flags.tolist()
+        if values[-1]:  # on every rank alike, before any rank steps
+            self.queue.raise_late(self.data_parallel_group, self._comm_device)
+        n = len(every)
+        anywhere, average = values[:n], values[n : 2 * n]
+        params = []
+        for p, present, need in zip(every, anywhere, average):
+            if not present:
+                p.grad = None  # as in one process: no gradient, not stepped (a zero would move it under decay)
+            elif need:
+                params.append(p)
+        bucket: list[Tensor] = []
+        for i, p in enumerate(params):
+            bucket.append(p)
+            same = i + 1 < len(params) and (params[i + 1].dtype, params[i + 1].device) == (p.dtype, p.device)
+            if not same or sum(q.numel() * q.element_size() for q in bucket) >= self.bucket_bytes:
+                self._reduce_bucket(bucket)
+                bucket = []
+        self._left = {id(p): p.grad for p in every}
+
+    def _reduce_bucket(self, params: list[Tensor]) -> None:
+        flat = torch.cat([p.grad.reshape(-1) if is_gradient(p.grad) else torch.zeros(p.numel(), dtype=p.dtype,
+                          device=p.device) for p in params])  # fmt: skip
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat.div_(self.data_parallel_size)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    @property
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        return self.pipeline_group  # replicas hold the same gradients: add the stages only
+
+    def gradient_holders(self) -> int:
+        return self.data_parallel_size
