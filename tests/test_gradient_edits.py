@@ -10,8 +10,9 @@ Each launch trains several cells of the conformance catalogue (``tests/conforman
   old gradient; ZeRO-2's default handed the gradient off before the hook could see it.
 - ``grad-surgery``: ``p.grad = p.grad / (p.grad.norm() + 1)`` at the window's last backward: needs the replicas'
   mean there, as DDP gives it (ZeRO-1/2 showed none).
-- ``grad-hand-set``: a gradient set by hand on a parameter backward did not reach (ZeRO-0 and ZeRO-3 discarded
-  it: its use had been recorded when its bucket started).
+- ``grad-hand-set`` / ``grad-estimated``: a gradient set by hand (a constant; an estimate from the replica's
+  own batch) on a parameter backward did not reach and in place of backward's (ZeRO-0 and ZeRO-3 discarded the
+  first: its use had been recorded when its bucket started; none averaged the estimate).
 - ``frozen-mid-window`` / ``manual-frozen``: a parameter frozen between two backward passes of one step (ZeRO-0
   stepped it with its local, un-averaged gradient: the replicas drifted apart).
 - ``outside-optimizer``: a trainable parameter in no optimizer, updated by hand (never averaged at any stage).
@@ -41,12 +42,14 @@ pytestmark = pytest.mark.multiproc
 
 HANDED_OFF = "each gradient is handed off"  # ZeRO-2's placeholder in .grad, naming the parameter
 SHARD_ONLY = "keeps only its shard of the reduced gradient"  # ZeRO-1/2's at the step
+ASSIGNED_DTENSOR = "was assigned to"  # ZeRO-3: each replica holds its rows of a DTensor gradient
 STATE_SHARDED = "holds the optimizer state of its shard"  # optimizer.state[p] / state_dict() under ZeRO-1/2
 EXACT = "exact"
 
 CASES: dict[str, dict[str, str]] = {
     "dp2-zero0": {
         "grad-scaled": EXACT,
+        "grad-estimated": EXACT,
         "grad-surgery": EXACT,
         "grad-hand-set": EXACT,
         "manual-frozen": EXACT,
@@ -58,6 +61,7 @@ CASES: dict[str, dict[str, str]] = {
     },
     "dp2-zero1": {
         "grad-scaled": EXACT,
+        "grad-estimated": EXACT,
         "grad-surgery": EXACT,
         "grad-hand-set": EXACT,
         "manual-edits": EXACT,
@@ -69,6 +73,7 @@ CASES: dict[str, dict[str, str]] = {
     },
     "dp2-zero2": {
         "grad-scaled": HANDED_OFF,
+        "grad-estimated": HANDED_OFF,
         "grad-surgery": HANDED_OFF,
         "grad-hand-set": HANDED_OFF,
         "manual-edits": HANDED_OFF,
@@ -79,6 +84,7 @@ CASES: dict[str, dict[str, str]] = {
     },
     "dp2-zero2-once": {
         "grad-scaled": EXACT,
+        "grad-estimated": EXACT,
         "grad-surgery": EXACT,
         "grad-hand-set": EXACT,
         "manual-frozen": EXACT,
@@ -86,8 +92,9 @@ CASES: dict[str, dict[str, str]] = {
         "step-hook-params": SHARD_ONLY,
     },
     "dp2-zero3": {
-        "grad-hand-set": EXACT,
-        "grad-surgery": EXACT,
+        "grad-hand-set": ASSIGNED_DTENSOR,
+        "grad-estimated": ASSIGNED_DTENSOR,
+        "step-hook-params": EXACT,
         "outside-optimizer": EXACT,
         "manual-frozen": "changed requires_grad between two backward passes",
         "tensor-hook": "tensor hooks registered on",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 __all__ = [
     "DCP_PRIVATE_GLOBALS",
-    "storageless_like",
+    "RaisingTensor",
     "default_store",
     "grad_scaler_growth_tracker",
     "init_optimizer_state",
@@ -42,13 +42,36 @@ def default_store() -> dist.Store | None:
         return None
 
 
-def storageless_like(cls: type, like: Tensor) -> Tensor:
-    """An instance of the ``Tensor`` subclass ``cls`` with ``like``'s shape, strides, dtype and device and no
-    storage (torch 2.13: ``Tensor._make_wrapper_subclass``, as DTensor builds its wrappers); what it does on
-    use is ``cls.__torch_dispatch__``'s."""
-    return Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-        cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False
-    )
+class RaisingTensor(Tensor):
+    """A tensor with a shape, strides, dtype and device and no storage, on which every operation raises
+    ``RuntimeError(message)`` (torch 2.13: built by ``Tensor._make_wrapper_subclass`` as DTensor builds its
+    wrappers; ``__torch_dispatch__`` sees every operation; ``torch._C._disabled_torch_function_impl`` keeps
+    ``__torch_function__`` out of the way, and ``torch.utils._pytree.tree_leaves`` finds it among the arguments)."""
+
+    message: str
+
+    @staticmethod
+    def __new__(cls, like: Tensor, message: str) -> RaisingTensor:
+        t = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False
+        )
+        t.message = message
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[attr-defined]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
+        message = next(a.message for a in tree_leaves((args, kwargs)) if isinstance(a, RaisingTensor))
+        raise RuntimeError(message)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"{type(self).__name__}({self.message})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(self.message)
 
 
 def tensor_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:

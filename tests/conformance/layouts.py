@@ -66,7 +66,12 @@ REFUSED: dict[tuple[str, str], str] = {
     **{
         (layout, s): "each gradient is handed off"
         for layout in ("dp2-zero2", "pp2xdp2-zero2")
-        for s in ("grad-scaled", "grad-surgery", "grad-hand-set", "step-hook-params", "manual-edits")
+        for s in ("grad-scaled", "grad-surgery", "grad-hand-set", "grad-estimated", "step-hook-params", "manual-edits")
+    },
+    **{
+        (layout, s): "was assigned to"
+        for layout in ZERO3
+        for s in ("grad-scaled", "grad-surgery", "grad-hand-set", "grad-estimated", "manual-edits")
     },
     **{
         (layout, "step-hook-params"): "keeps only its shard of the reduced gradient"
@@ -120,6 +125,7 @@ REFUSED: dict[tuple[str, str], str] = {
             "grad-scaled",
             "grad-surgery",
             "grad-hand-set",
+            "grad-estimated",
             "step-hook-groups",
             "step-hook-params",
             "outside-optimizer",

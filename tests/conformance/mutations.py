@@ -158,7 +158,7 @@ MUTATIONS = [
         "        changed = [p.grad is not self._left.get(id(p)) for p in every]\n",
         "        changed = [False for p in every]\n",
         ("dp2-zero0",),
-        ("grad-hand-set",),
+        ("grad-estimated",),
     ),
 ]
 

@@ -11,65 +11,17 @@ gradient is and what to do. It is replaced by ``None`` before the next backward,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
-import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
-from lightning_hybrid._torch_compat import storageless_like
+from lightning_hybrid._torch_compat import RaisingTensor
 
-__all__ = ["GradientElsewhere", "is_gradient", "placeholders", "unplace"]
+__all__ = ["GradientElsewhere", "is_gradient"]
 
 
-class GradientElsewhere(Tensor):
+class GradientElsewhere(RaisingTensor):
     """Stands in ``param.grad``; any use raises ``RuntimeError(message)``."""
-
-    message: str
-
-    @staticmethod
-    def __new__(cls, param: Tensor, message: str) -> GradientElsewhere:
-        t = storageless_like(cls, param)
-        t.message = message  # type: ignore[attr-defined]
-        return t  # type: ignore[return-value]
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        message = next(a.message for a in tree_leaves((args, kwargs)) if isinstance(a, GradientElsewhere))
-        raise RuntimeError(message)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"GradientElsewhere({self.message})"
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise RuntimeError(self.message)
 
 
 def is_gradient(grad: Tensor | None) -> bool:
     """Whether ``grad`` (a ``param.grad``) holds a gradient: not ``None`` and not a placeholder."""
     return grad is not None and type(grad) is not GradientElsewhere
-
-
-def placeholders(params: Iterable[Tensor], messages: dict[int, GradientElsewhere]) -> None:
-    """Put each parameter's placeholder in ``.grad`` where it holds none (cached by ``id`` in ``messages``)."""
-    for p in params:
-        if p.grad is None:
-            p.grad = messages[id(p)]
-
-
-def unplace(params: Iterable[Tensor]) -> list[Tensor]:
-    """Replace placeholders by ``None``; returns the parameters whose ``.grad`` is a real tensor: a gradient
-    user code assigned after the pack took the parameter's own (the caller decides what that means)."""
-    assigned = []
-    for p in params:
-        grad = p.grad
-        if grad is None:
-            continue
-        if type(grad) is GradientElsewhere:
-            p.grad = None
-        else:
-            assigned.append(p)
-    return assigned

@@ -18,6 +18,7 @@ scattered every backward and gathers parameters when they are used).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.optim._shardable import check_shardable
 from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
@@ -78,6 +80,14 @@ class GradientSync:
             self.ties.attach(optimizers)
         if self.zero_stage < 3 and self.data_parallel_size > 1:  # FSDP2 reduces every parameter of its units
             self.outside = OutsideOptimizers(list(names), optimizers, self.data_parallel_group, self._comm_device)
+        if self.user.reads_at_step and self.zero_stage in (0, 3) and self.data_parallel_size > 1:
+            for optimizer in optimizers:  # ZeRO-1/2's optimizer has a step of its own (FlatShardedOptimizer)
+                optimizer.step = types.MethodType(_checked_step(self, optimizer.step), optimizer)
+
+    def before_update(self, optimizer: Optimizer) -> None:
+        """User code ran between the step's start and the optimizer's update (``on_before_optimizer_step``,
+        manual optimization): what it assigned is settled as after ``on_after_backward`` (:meth:`settle`)."""
+        self.settle(optimizer)
 
     @property
     def _comm_device(self) -> torch.device:
@@ -206,6 +216,7 @@ class FullyShardedGradients(GradientSync):
         self._by_name: dict[str, Tensor] = {}
         self._names: dict[Tensor, str] = {}
         self._trainable: list[bool] | None = None  # requires_grad at the window's first backward
+        self._left: dict[int, Tensor | None] = {}  # each parameter's .grad when the window was reduced
 
     def before_backward(self) -> None:
         # FSDP2 computes the gradient of the unsharded parameter, whose requires_grad it set when it was built: a
@@ -235,12 +246,55 @@ class FullyShardedGradients(GradientSync):
         self._by_name = {n: p for p, n in names.items()}
 
     def _reduce(self, optimizer: Optimizer) -> None:
-        if self.units is None:
-            return
-        device = self._comm_device
-        mine = {n for group in optimizer.param_groups for p in group["params"] for n in [self._names.get(p)] if n}
-        for name in self.units.unused_everywhere(mine, device):
-            self._by_name[name].grad = None
+        if self.units is not None:
+            mine = {n for group in optimizer.param_groups for p in group["params"] for n in [self._names.get(p)] if n}
+            for name in self.units.unused_everywhere(mine, self._comm_device):
+                self._by_name[name].grad = None
+        self._left = {id(p): p.grad for group in optimizer.param_groups for p in group["params"]}
+
+    def settle(self, optimizer: Optimizer) -> None:
+        # each replica holds its rows of a DTensor gradient: a tensor assigned in their place cannot be averaged
+        # (a value computed from a replica's own data would differ row block by row block), so it is refused;
+        # edits in place, and None, are what one process would see
+        assigned = [
+            self._names.get(p, "?")
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None and p.grad is not self._left.get(id(p))
+        ]
+        problem = None
+        if assigned:
+            problem = (
+                f"A gradient was assigned to {', '.join(assigned[:3])}.grad under zero_stage=3, where each data-"
+                "parallel replica holds its rows of the replicas' mean (a DTensor): an assigned tensor cannot be"
+                " averaged over the replicas. Edit the gradient in place (p.grad.mul_(...), .zero_(),"
+                " .masked_fill_(...)), set it to None, or use zero_stage=0, 1 or 2 (or"
+                " ZeroConfig(reduce_gradients='once_per_step')), under which an assigned gradient is averaged."
+            )
+        agreed = agreed_problem(problem, device=self._comm_device)
+        if agreed:
+            raise RuntimeError(agreed)
+
+
+def _checked_step(sync: GradientSync, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``optimizer.step`` whose closure (backward, the reduction, the precision plugin's hooks) is followed by
+    ``sync`` settling what user code did to the gradients, before the update reads them (each evaluation, for an
+    optimizer that evaluates it more than once); without a closure (manual optimization) the settling comes
+    first. A method of the optimizer itself: an LR scheduler made later (SWALR) rebinds what it wraps to it."""
+
+    def checked(optimizer: Optimizer, closure: Any = None) -> Any:
+        if closure is None:
+            sync.before_update(optimizer)
+            return step()
+
+        def settled() -> Any:
+            loss = closure()
+            sync.before_update(optimizer)
+            return loss
+
+        return step(settled)
+
+    return checked
 
 
 def local(t: Tensor) -> Tensor:
