@@ -44,8 +44,8 @@ EXPECTED = {
     "group_moved_on_one_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (rank 1)",
     # found on rank 1 only, named on both
     **{
-        f"zero{z}_late_gradient_on_one_rank": "overlap_reductions=False) to reduce when backward ends. (rank 1)"
-        for z in (0, 1)
+        f"zero{z}_late_gradient_on_one_rank": "training_step (return the loss, or self.manual_backward). (rank 1)"
+        for z in ("0", "1", "2", "2_once")
     },
     "group_moved_on_every_replica": "optimizer.add_param_group(...) instead, or use zero_stage=0 or 3. (ranks 0, 1)",
     **{

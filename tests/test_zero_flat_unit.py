@@ -203,7 +203,8 @@ def test_zero2_reduced_then_another_backward_then_cleared(one_rank_group, nan_fo
     model, reference, sharded = _branchy_zero2(one_rank_group)
     xs = [torch.randn(5, 4) for _ in range(3)]
 
-    def backward(x: torch.Tensor) -> None:
+    def backward(x: torch.Tensor) -> None:  # as the strategy runs one (a gradient outside it would come late)
+        sharded.before_backward()
         model(x, True).square().sum().backward()
         sharded.queue.end_backward()
         sharded.after_backward()

@@ -15,7 +15,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_hybrid._protocols import LeavesModelGradientsAlone
 
-__all__ = ["UserGradientCode", "user_gradient_code"]
+__all__ = ["RUN_BACKWARD_INSIDE", "UserGradientCode", "user_gradient_code"]
+
+# what to do about a backward run in a hook, after the strategy reduced the window (its gradients would reach
+# one replica only)
+RUN_BACKWARD_INSIDE = "Run every backward inside training_step (return the loss, or self.manual_backward)."
 
 
 @dataclass(frozen=True)

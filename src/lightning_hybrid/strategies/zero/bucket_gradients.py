@@ -45,6 +45,9 @@ class BucketGradients(GroupGradients):
 
     def _accumulated(self, index: int, param: Tensor) -> None:
         self._refuse_graph(index)
+        if self.arrived_late(index):
+            param.grad = None  # refused at the step, on every rank
+            return
         # hand the gradient off at once: into the bucket's buffer, and the parameter's own storage is freed
         bucket = self.buckets[self._bucket_of[index]]
         with torch.no_grad():
@@ -69,7 +72,10 @@ class BucketGradients(GroupGradients):
         raise AssertionError("ZeRO-2's default keeps no buffer of the window's whole gradient")
 
     def _taken(self, index: int) -> bool:
-        return True  # every gradient was handed off when backward ended: a tensor in .grad is user code's
+        # a hooked parameter's gradient was handed off when backward accumulated it: a tensor in .grad is user
+        # code's. One unfrozen since the last step has no hook yet: autograd's gradient waits in .grad until
+        # its bucket's next reduction takes it
+        return index in self.hooked
 
     def _elsewhere_message(self, index: int) -> str:
         return (

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid.strategies._user_code import RUN_BACKWARD_INSIDE
 
 __all__ = ["Bucket", "BucketOwner", "BucketQueue", "ReplicatedBuckets", "bucket_ranges"]
 
@@ -124,11 +125,12 @@ class BucketQueue:
     def late_message(self) -> str:
         late = self.late or "a parameter (on another data-parallel rank)"
         return (
-            f"The gradient of {late} grew after its bucket's reduction had started in the backward that closes"
-            " the accumulation window: the parameter received its gradient in more than one part in one backward"
-            " (reentrant activation checkpointing, torch.utils.checkpoint(use_reentrant=True), over segments that"
-            " share it; or a second backward inside training_step). Use use_reentrant=False, or"
-            " ZeroConfig(overlap_reductions=False) to reduce when backward ends."
+            f"The gradient of {late} grew after its bucket's reduction had started: the parameter received its"
+            " gradient in more than one part in the backward that closes the accumulation window (reentrant"
+            " activation checkpointing, torch.utils.checkpoint(use_reentrant=True), over segments that share it;"
+            " a second backward inside training_step), or from a backward run outside the strategy's backward (in"
+            " on_after_backward or another hook) after the window was reduced. Use use_reentrant=False, or"
+            " ZeroConfig(overlap_reductions=False) to reduce when backward ends. " + RUN_BACKWARD_INSIDE
         )
 
     def raise_late(self, group: dist.ProcessGroup, device: torch.device) -> NoReturn:
@@ -173,6 +175,7 @@ class ReplicatedBuckets:
         self.views: dict[int, Tensor] = {}  # each reduced parameter's view of its bucket (its .grad, if untouched)
         self._order: list[int] | None = []  # backward's order in the first window (None once applied)
         self._early = False  # a window was reduced during backward
+        self.closed = False  # the window was reduced: any gradient until the next micro-batch arrives late
         self._bucket_of: dict[int, Bucket] = {i: b for b in self.buckets for i in b.members}
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
@@ -197,7 +200,7 @@ class ReplicatedBuckets:
     def _accumulated(self, index: int, param: Tensor) -> None:
         if not self.queue.armed:
             return
-        if index in self.reduced:  # its bucket is reduced or being reduced: this part would be lost
+        if index in self.reduced or self.closed:  # its bucket is reduced or being reduced: this part would be lost
             self.queue.late = self.queue.late or self.names[index]
             return
         if self._order is not None and index not in self._order:
@@ -239,7 +242,7 @@ class ReplicatedBuckets:
         """The parameters reduced since the last call, and whether this rank had a gradient for each."""
         reduced, used = self.reduced, self.used
         self.reduced, self.used = set(), [False] * len(self.params)
-        self._early = self._early or bool(reduced)
+        self._early, self.closed = self._early or bool(reduced), True
         return reduced, used
 
     def after_window(self) -> None:

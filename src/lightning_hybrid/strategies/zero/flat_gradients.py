@@ -81,6 +81,8 @@ class FlatGradients(GroupGradients):
 
     def _accumulated(self, index: int, param: Tensor) -> None:
         self._refuse_graph(index)
+        if self.arrived_late(index):
+            return
         bucket = self.buckets[self._bucket_of[index]]
         if self.queue.armed and bucket.started:  # reduced or being reduced: this part would be added to the mean
             self.queue.late = self.queue.late or self.names[index]
@@ -184,6 +186,8 @@ class WindowGradients(GroupGradients):
     def _arriving(self, index: int, grad: Tensor) -> Tensor:
         # before backward accumulates: .grad becomes the buffer's view (what user code put there taken in
         # first), so backward accumulates into the buffer in place
+        if self.arrived_late(index):
+            return grad
         flat = self._buffer()
         p = self.params[index]
         self._take(index, flat)

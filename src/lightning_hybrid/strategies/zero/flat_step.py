@@ -113,6 +113,7 @@ class FlatStep:
         for g in self.groups:
             if g.params:
                 g.grads.reduce(g.shard)
+                g.grads.closed = True  # until the strategy's next backward
         if unused:
             mask = torch.tensor(used, dtype=torch.uint8, device=self._device)
             dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=self.group)

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_hybrid.strategies._user_code import UserGradientCode
+from lightning_hybrid.strategies._user_code import RUN_BACKWARD_INSIDE, UserGradientCode
 from lightning_hybrid.strategies.zero.elsewhere import GradientElsewhere, is_gradient
 
 __all__ = ["GroupGradients"]
@@ -50,6 +51,8 @@ class GroupGradients(ABC):
         self.mask: list[bool] = [True] * len(params)  # the agreed "some replica has it", from the last reduction
         self._elsewhere: dict[int, GradientElsewhere] = {}
         self.hooked: set[int] = set()
+        self.closed = False  # reduced: until the strategy's next backward, a gradient arriving comes late
+        self.late: str | None = None  # the first parameter whose gradient arrived late on this rank
         self.watch_trainable()
 
     def watch_trainable(self) -> None:
@@ -58,7 +61,15 @@ class GroupGradients(ABC):
         for i, p in enumerate(self.params):
             if p.requires_grad and i not in self.hooked:
                 self._hook(i, p)
+                if self.user.reads_after_backward or self.user.reads_at_step:  # placeholders can be in .grad
+                    p.register_hook(functools.partial(self._before_accumulating, i))
                 self.hooked.add(i)
+
+    def _before_accumulating(self, index: int, grad: Tensor) -> Tensor:
+        # a late gradient (refused at the step, on every rank) must not fail on a placeholder on this rank alone
+        if self.arrived_late(index) and type(self.params[index].grad) is GradientElsewhere:
+            self.params[index].grad = None
+        return grad
 
     @abstractmethod
     def _hook(self, index: int, param: nn.Parameter) -> None: ...
@@ -99,11 +110,26 @@ class GroupGradients(ABC):
         for p in self.params:
             if p.grad is not None and (type(p.grad) is GradientElsewhere or problem):
                 p.grad = None
-        self.released = False
+        self.released = self.closed = False
+        self.late = None
         return problem
 
+    def arrived_late(self, index: int) -> bool:
+        """Whether a gradient autograd is accumulating now comes after the window was reduced (a backward run
+        in a hook, outside the strategy's backward): it would reach this replica only."""
+        if self.closed:
+            self.late = self.late or self.names[index]
+        return self.closed
+
     def problem(self) -> str | None:
-        """A gradient assigned where the pack had taken the parameter's (see :meth:`_taken`)."""
+        """A gradient that arrived late, or one assigned where the pack had taken the parameter's (see
+        :meth:`_taken`)."""
+        if self.late:
+            return (
+                f"The gradient of {self.late} grew after zero_stage={self.zero_stage} had reduced the window: a"
+                " backward ran outside the strategy's backward (in on_after_backward, on_before_optimizer_step or"
+                f" another hook), so its gradients would reach this replica only. {RUN_BACKWARD_INSIDE}"
+            )
         for i, p in enumerate(self.params):
             if is_gradient(p.grad) and self._taken(i):
                 return (
@@ -209,7 +235,8 @@ class GroupGradients(ABC):
         for p in self.params:
             p.grad = None
         self.linked.clear()
-        self.released = self._reduced = False
+        self.released = self._reduced = self.closed = False
+        self.late = None
         self.used = [False] * len(self.params)
         self.watch_trainable()
 
@@ -222,7 +249,8 @@ class GroupGradients(ABC):
         for p in self.params:
             p.grad = None
         self.linked.clear()
-        self.released = self._reduced = False
+        self.released = self._reduced = self.closed = False
+        self.late = None
         self.used = [False] * len(self.params)
 
     @abstractmethod
@@ -282,3 +310,4 @@ class GroupGradients(ABC):
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.world)
         shard.grad = flat[self._shard_slice()]
+        self.closed = True

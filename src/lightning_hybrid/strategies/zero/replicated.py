@@ -72,6 +72,8 @@ class ReplicatedGradients(GradientSync):
 
     def window_closes(self, closing: bool) -> None:
         self.queue.armed = closing and self._buckets is not None and not self._pipelined
+        if self._buckets is not None:
+            self._buckets.closed = False
 
     def after_backward(self) -> None:
         self.queue.end_backward()
@@ -103,7 +105,8 @@ class ReplicatedGradients(GradientSync):
         every = [p for group in optimizer.param_groups for p in group["params"]]
         has = [is_gradient(p.grad) for p in every]
         changed = [p.grad is not self._left.get(id(p)) for p in every]
-        self._average(every, has, changed, late=False)
+        # a backward between the reduction and the step (in on_after_backward) added to this rank's mean only
+        self._average(every, has, changed, late=self.queue.late is not None)
 
     def _average(self, every: list[Tensor], has: list[bool], needs: list[bool], *, late: bool) -> None:
         """Agree (one all-reduce) on which parameters any replica has a gradient for and which any replica
