@@ -90,7 +90,7 @@ def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -
     L.seed_everything(0, workers=False, verbose=False)
     model = build(name)
     pipelined = cfg["strategy"]["name"] == "deepspeed" or cfg["strategy"]["kwargs"].get("pipeline_parallel_size", 1) > 1
-    record = Record(pipelined, experts=name == "routed-experts")
+    record = Record(pipelined, experts=name.partition("/")[0] == "routed-experts")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("WORLD_SIZE", "1")),

@@ -148,10 +148,9 @@ class Recorder(Callback):
         self.steps.setdefault(trainer.global_step, {})["digest"] = self._digest(pl_module)
         if not hasattr(self, "_last_step"):
             self._last_step = trainer.global_step  # the step a resumed run starts from
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        # the LR this update uses (the step it completes is global_step + 1)
-        self.steps.setdefault(trainer.global_step + 1, {})["lr_used"] = optimizer.param_groups[0]["lr"]
+        # the LR this update uses (the step it completes is global_step + 1; the LR does not change inside a
+        # window). Read here, not in on_before_optimizer_step: DeepSpeed's engine refuses gradient hooks
+        self.steps.setdefault(trainer.global_step + 1, {})["lr_used"] = trainer.optimizers[0].param_groups[0]["lr"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         entry = self.steps.setdefault(trainer.global_step, {})
