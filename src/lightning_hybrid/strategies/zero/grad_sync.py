@@ -60,6 +60,7 @@ class GradientSync:
         self.data_parallel_size = dist.get_world_size(data_parallel_group)
         self.ties = ties
         self._optimizer_index: dict[int, int] = {}
+        self._windows_reduced: set[int] = set()  # optimizers whose window was reduced and not stepped yet
         self.user = UserGradientCode()
         self.outside: OutsideOptimizers | None = None  # trainable parameters no optimizer holds (ZeRO-0/1/2)
 
@@ -86,8 +87,11 @@ class GradientSync:
 
     def before_update(self, optimizer: Optimizer) -> None:
         """User code ran between the step's start and the optimizer's update (``on_before_optimizer_step``,
-        manual optimization): what it assigned is settled as after ``on_after_backward`` (:meth:`settle`)."""
-        self.settle(optimizer)
+        manual optimization): what it assigned is settled as after ``on_after_backward`` (:meth:`settle`). Only
+        for a window this sync reduced: torch's DCP steps an optimizer at LR 0 to create its state when a
+        checkpoint loads, with zero gradients of its own."""
+        if id(optimizer) in self._windows_reduced:
+            self.settle(optimizer)
 
     @property
     def _comm_device(self) -> torch.device:
@@ -153,6 +157,7 @@ class GradientSync:
         if self.ties and index is not None:
             self.ties.sum_gradients(index)
         self._reduce(optimizer)
+        self._windows_reduced.add(id(optimizer))
         if scale is not None:
             self._scale(optimizer, scale)
 
@@ -166,6 +171,7 @@ class GradientSync:
         """ZeRO-3: FSDP2 reduce-scattered during backward."""
 
     def after_step(self, optimizer: Optimizer) -> None:
+        self._windows_reduced.discard(id(optimizer))
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
