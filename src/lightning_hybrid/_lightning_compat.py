@@ -77,6 +77,12 @@ def restart_train_iterator(trainer: pl.Trainer) -> None:
         iter(fetcher)
 
 
+def wrapped_sampler(sampler: Any) -> Any:
+    """The user's sampler inside Lightning's ``DistributedSamplerWrapper`` (lightning 2.6.6: its dataset is a
+    ``_DatasetSamplerWrapper`` holding it as ``_sampler``), or None."""
+    return getattr(getattr(sampler, "dataset", None), "_sampler", None)
+
+
 def epoch_finished_at_restore(trainer: pl.Trainer) -> bool:
     """Whether the restored loop state ended its epoch: the checkpoint was written at the epoch's last batch
     (lightning 2.6.6 restores ``is_last_batch`` with the epoch loop's batch progress)."""

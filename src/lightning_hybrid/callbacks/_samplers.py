@@ -1,13 +1,17 @@
 """Owning the training data order, so that a resume continues mid-epoch with exactly the unseen samples.
 
 Lightning's samplers cannot start part-way through an epoch, and under DDP it reshuffles from an RNG no
-checkpoint holds. The callback swaps each training loader's sampler for a :class:`ResumableSampler` that
-yields the same order (``DistributedSampler``'s, seeded by seed + epoch) and records the position in the
-epoch's global order after every batch.
+checkpoint holds. The callback swaps a training loader's sampler for a :class:`ResumableSampler` only where
+that yields the order the loader would have drawn (Lightning's ``DistributedSampler``, seeded by seed +
+epoch; an unseeded ``RandomSampler`` without replacement; ``SequentialSampler``) and records the position in
+the epoch's global order after every batch. Any other sampler (weighted, with replacement, seeded by the
+user, inside Lightning's ``DistributedSamplerWrapper``) is the one that trains: a mid-epoch resume then says,
+on every rank, that its epoch starts again from a new draw.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -17,10 +21,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from lightning_hybrid._lightning_compat import restart_train_iterator, train_dataloaders
+from lightning_hybrid._lightning_compat import restart_train_iterator, train_dataloaders, wrapped_sampler
 from lightning_hybrid.callbacks._resume import ResumableSampler
 
 __all__ = ["SamplerOwner"]
+
+log = logging.getLogger("lightning_hybrid.callbacks.fault_tolerant")
 
 
 class SamplerOwner:
@@ -40,6 +46,7 @@ class SamplerOwner:
         # the batches of the world that wrote the checkpoint)
         self._anchor: tuple[int, int] | None = None
         self._anchor_batch: int | None = None
+        self.kept: list[str] = []  # the training loaders whose own order trains (not positioned by the callback)
 
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
@@ -48,19 +55,18 @@ class SamplerOwner:
             self.configured_k = int(trainer.accumulate_grad_batches)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         loaders = train_dataloaders(trainer)
+        self.kept = []
         for loader in loaders:
             batch_sampler = getattr(loader, "batch_sampler", None)
             if not (isinstance(loader, DataLoader) and type(batch_sampler) is BatchSampler):
-                rank_zero_warn(
-                    "FaultTolerantCheckpoint: a training loader with a custom batch sampler (or no DataLoader) keeps"
-                    " its own order; mid-epoch resume restarts its epoch unless it implements state_dict()."
-                )
+                self.kept.append(
+                    f"a batch sampler {type(batch_sampler).__name__}" if isinstance(loader, DataLoader) and
+                    batch_sampler is not None else f"the loader {type(loader).__name__}"
+                )  # fmt: skip
                 continue
             sampler = _resumable(batch_sampler.sampler, seed)
             if sampler is None:
-                rank_zero_warn(
-                    f"FaultTolerantCheckpoint: unknown sampler {type(batch_sampler.sampler).__name__}; not resumable."
-                )
+                self.kept.append(_describe(batch_sampler.sampler))
                 continue
             batch_sampler.sampler = sampler
             # iterator creation would draw worker seeds from the global RNG: give the loader its own stream
@@ -72,6 +78,8 @@ class SamplerOwner:
             else:
                 sampler.resume_at(trainer.current_epoch, None)  # a sampler kept from an earlier fit starts afresh
             self.samplers.append((sampler, batch_sampler))
+        if self.kept:
+            self._say_what_is_kept(trainer)
         resumed = self.resume_at or {}
         saved, dataset = resumed.get("epoch_samples"), self.samplers[0][0].n if self.samplers else None
         if isinstance(saved, int) and saved > 0 and resumed.get("epoch_dataset") == dataset:
@@ -87,8 +95,31 @@ class SamplerOwner:
             # the fit loop already prefetched a batch with the old sampler: start over with ours
             restart_train_iterator(trainer)
 
+    def _say_what_is_kept(self, trainer: pl.Trainer) -> None:
+        """Once at the start (rank 0): whose order trains; at a mid-epoch resume, on every rank: what will not be
+        exact (the rank's own log, whatever the warning filters, as each rank may run alone on its node)."""
+        kept = ", ".join(self.kept)
+        rank_zero_warn(
+            f"FaultTolerantCheckpoint: the training data comes from {kept}, which keeps its own order (it is what"
+            " trains); a resume in the middle of an epoch cannot start it part-way, so checkpoints are exact to"
+            " resume at epoch ends only. A sampler FaultTolerantCheckpoint can position: DistributedSampler,"
+            " RandomSampler without replacement or generator, SequentialSampler."
+        )
+        at = self.resume_at
+        if at is None or not at.get("batches") or at["batches"] >= trainer.num_training_batches:
+            return  # a fresh run, or written at the epoch's end: the next epoch starts afresh anyway
+        log.warning(
+            f"[rank {trainer.global_rank}] FaultTolerantCheckpoint: resuming epoch {at['epoch']} after"
+            f" {at['batches']} batches, but {kept} keeps its own order and cannot start part-way through an epoch:"
+            " the epoch goes on with a new draw from its start, so samples it already trained may come again and"
+            " others not at all. Use a sampler FaultTolerantCheckpoint can position, or give yours state_dict()"
+            " and load_state_dict(), for an exact resume."
+        )
+
     def track(self, trainer: pl.Trainer, batch_idx: int) -> None:
         if not self.samplers:
+            if self.kept:  # a position in batches, to say at a resume what will not be exact
+                self.position = {"epoch": trainer.current_epoch, "batches": batch_idx + 1}
             return
         sampler, batch_size = self.first()
         consumed = (batch_idx + 1) * batch_size * sampler.num_replicas
@@ -150,9 +181,11 @@ def _unlimited(trainer: pl.Trainer) -> bool:
 
 
 def _resumable(source: Any, seed: int) -> ResumableSampler | None:
+    """The ResumableSampler that yields ``source``'s order, for the samplers whose order it reproduces only (the
+    exact classes: a subclass, Lightning's DistributedSamplerWrapper among them, draws its own)."""
     if isinstance(source, ResumableSampler):
         return source
-    if isinstance(source, DistributedSampler):
+    if type(source) is DistributedSampler:
         return ResumableSampler(
             len(source.dataset),  # type: ignore[arg-type]
             num_replicas=source.num_replicas,
@@ -161,6 +194,22 @@ def _resumable(source: Any, seed: int) -> ResumableSampler | None:
             seed=source.seed,
             drop_last=source.drop_last,
         )
-    if isinstance(source, (RandomSampler, SequentialSampler)):
-        return ResumableSampler(len(source.data_source), shuffle=isinstance(source, RandomSampler), seed=seed)  # type: ignore[arg-type]
+    if type(source) is SequentialSampler:
+        return ResumableSampler(len(source.data_source), shuffle=False, seed=seed)  # type: ignore[arg-type]
+    if (
+        type(source) is RandomSampler
+        and not source.replacement
+        and source.generator is None
+        and source.num_samples == len(source.data_source)  # type: ignore[arg-type]
+    ):  # a permutation from the global RNG: the seeded one is as good, and can start part-way
+        return ResumableSampler(len(source.data_source), shuffle=True, seed=seed)  # type: ignore[arg-type]
     return None
+
+
+def _describe(sampler: Any) -> str:
+    name = type(sampler).__name__
+    if isinstance(sampler, DistributedSampler) and type(sampler) is not DistributedSampler:
+        inner = wrapped_sampler(sampler)  # Lightning's wrapper around the user's sampler
+        inner_name = type(inner).__name__ if inner is not None else "the user's sampler"
+        return f"{inner_name} (inside {name})"
+    return name

@@ -271,12 +271,12 @@ def apply(
         samplers.resize(change.new.batch_size)
         recount_training_batches(trainer)  # restarts the iterator
     note = keep_epoch_end(trainer, samplers, epoch_samples) if change.policy == "keep_global_batch" else None
-    if change.epoch != trainer.current_epoch:
-        return note  # the next epoch starts from its first batch
-    if epoch_finished_at_restore(trainer):  # written at the epoch's last batch: it ends in this world's count too
+    if epoch_finished_at_restore(trainer):  # at an epoch's last batch (Lightning may count the next one already)
         if trainer.num_training_batches != float("inf") and not change.same_batches:
             move_batch_counter(trainer, int(trainer.num_training_batches))
         return note
+    if change.epoch != trainer.current_epoch:
+        return note  # the next epoch starts from its first batch
     if change.resume_sample() != change.consumed:
         _take_window_again(trainer, samplers, schedule, change.epoch, change.consumed, change.resume_sample())
     elif not change.same_batches:
