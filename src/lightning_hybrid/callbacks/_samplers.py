@@ -59,10 +59,7 @@ class SamplerOwner:
         for loader in loaders:
             batch_sampler = getattr(loader, "batch_sampler", None)
             if not (isinstance(loader, DataLoader) and type(batch_sampler) is BatchSampler):
-                self.kept.append(
-                    f"a batch sampler {type(batch_sampler).__name__}" if isinstance(loader, DataLoader) and
-                    batch_sampler is not None else f"the loader {type(loader).__name__}"
-                )  # fmt: skip
+                self.kept.append(_describe(batch_sampler if batch_sampler is not None else loader))
                 continue
             sampler = _resumable(batch_sampler.sampler, seed)
             if sampler is None:

@@ -232,12 +232,7 @@ class GroupGradients(ABC):
 
     def after_step(self, shard: nn.Parameter) -> None:
         shard.grad = None
-        for p in self.params:
-            p.grad = None
-        self.linked.clear()
-        self.released = self._reduced = self.closed = False
-        self.late = None
-        self.used = [False] * len(self.params)
+        self._forget()
         self.watch_trainable()
 
     def local_gradients(self) -> list[Tensor]:
@@ -246,6 +241,10 @@ class GroupGradients(ABC):
 
     def clear(self) -> None:
         """``optimizer.zero_grad()``: every gradient of the window is discarded, wherever it is held."""
+        self._forget()
+
+    def _forget(self) -> None:
+        """No gradient of a window in the model's ``.grad`` and nothing known of one (a step or zero_grad)."""
         for p in self.params:
             p.grad = None
         self.linked.clear()
@@ -310,4 +309,3 @@ class GroupGradients(ABC):
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.world)
         shard.grad = flat[self._shard_slice()]
-        self.closed = True
