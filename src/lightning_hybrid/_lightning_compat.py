@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LastCheckpointLookup",
     "attach_device_mesh",
+    "current_batch",
     "averaging_callbacks",
     "dump_checkpoint",
     "epoch_finished_at_restore",
@@ -36,6 +37,7 @@ __all__ = [
     "process_group_backend",
     "recount_training_batches",
     "restart_train_iterator",
+    "restored_batches",
     "share_zero_grad",
     "skips_backward",
     "syncs_batchnorm",
@@ -87,6 +89,16 @@ def epoch_finished_at_restore(trainer: pl.Trainer) -> bool:
     """Whether the restored loop state ended its epoch: the checkpoint was written at the epoch's last batch
     (lightning 2.6.6 restores ``is_last_batch`` with the epoch loop's batch progress)."""
     return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+def restored_batches(trainer: pl.Trainer) -> int:
+    """Batches of the restored epoch Lightning counts as trained (lightning 2.6.6: the epoch loop's progress)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def current_batch(trainer: pl.Trainer) -> int:
+    """The index, in its epoch, of the training batch being processed (lightning 2.6.6)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) - 1
 
 
 def move_batch_counter(trainer: pl.Trainer, batches: int) -> None:

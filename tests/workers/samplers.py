@@ -9,9 +9,9 @@ from typing import Any
 import lightning as L
 import torch
 from common import rank, run_worker, write_report
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler, WeightedRandomSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, WeightedRandomSampler
 
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint
 from lightning_hybrid.strategies import HybridParallelStrategy
@@ -22,16 +22,37 @@ SAMPLES = 32
 class Indexed(Dataset):
     """Sample i: a fixed input, its target, and i itself (to record what trained)."""
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int = SAMPLES) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(SAMPLES, 4, generator=g)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(SAMPLES, generator=g)
+        self.x = torch.randn(samples, 4, generator=g)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(samples, generator=g)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.x[i], self.y[i], i
+
+
+class Stream(IterableDataset):
+    """The same samples as a stream, each rank reading every world-th one (as a sharded stream would)."""
+
+    def __init__(self) -> None:
+        self.data = Indexed()
+
+    def __iter__(self):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        r = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        for i in range(r, len(self.data), world):
+            yield self.data[i]
+
+
+class Reversed(BatchSampler):
+    """A batch sampler of the user's own (each batch in reverse order)."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield batch[::-1]
 
 
 class Regression(L.LightningModule):
@@ -65,6 +86,12 @@ class Data(L.LightningDataModule):
             sampler = RandomSampler(data, replacement=True, num_samples=24, generator=g)
         elif self.kind == "shuffle":
             return DataLoader(data, batch_size=4, shuffle=True)
+        elif self.kind == "padded":  # 60 samples: not a multiple of the global batch (drop_last=False)
+            return DataLoader(Indexed(60), batch_size=4, shuffle=True)
+        elif self.kind == "iterable":
+            return DataLoader(Stream(), batch_size=4)
+        elif self.kind == "batch_sampler":
+            return DataLoader(data, batch_sampler=Reversed(RandomSampler(data, generator=g), 4, drop_last=False))
         else:
             raise ValueError(self.kind)
         return DataLoader(data, batch_size=4, sampler=sampler)
@@ -85,17 +112,21 @@ def main(cfg: dict[str, Any]) -> None:
     model = Regression()
     callbacks: list[Callback] = []
     if cfg.get("ft"):
-        callbacks.append(FaultTolerantCheckpoint(dirpath=cfg["ft"], every_n_train_steps=1))
+        policy = cfg.get("policy", "keep_global_batch")
+        callbacks.append(FaultTolerantCheckpoint(dirpath=cfg["ft"], every_n_train_steps=1, on_world_size_change=policy))
+    if cfg.get("mc"):  # Lightning's own checkpoints, without the pack's callback
+        callbacks.append(ModelCheckpoint(dirpath=cfg["mc"], every_n_train_steps=1, save_top_k=-1))
     if cfg.get("stop_at"):
         callbacks.append(StopAt(cfg["stop_at"]))
     devices = cfg.get("devices", 1)
     strategy = HybridParallelStrategy(data_parallel_size=devices) if cfg.get("hybrid") else "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg["steps"], max_epochs=cfg.get("epochs", -1),
-        logger=False, enable_checkpointing=bool(cfg.get("ft")), enable_progress_bar=False,
+        logger=False, enable_checkpointing=bool(cfg.get("ft") or cfg.get("mc")), enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks,
     )  # fmt: skip
-    trainer.fit(model, datamodule=Data(cfg["sampler"]), ckpt_path="last" if cfg.get("ft") else None)
+    ckpt_path = cfg.get("ckpt") or ("last" if cfg.get("ft") else None)
+    trainer.fit(model, datamodule=Data(cfg["sampler"]), ckpt_path=ckpt_path)
     write_report(
         cfg["out"],
         {

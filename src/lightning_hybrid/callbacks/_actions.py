@@ -53,7 +53,7 @@ class CheckpointActions:
         assert self._writer is not None
         with self._io():
             self._writer.finish(trainer)
-            per_rank = {"rng": capture_rng(), "data": dict(self._samplers.position), "rank": trainer.global_rank}
+            per_rank = {"rng": capture_rng(), "data": dict(self._data.samplers.position), "rank": trainer.global_rank}
             self._writer.start(trainer, step, per_rank, background=background)
             self._last_saved_step = step
             self._last_save_time = time.monotonic()

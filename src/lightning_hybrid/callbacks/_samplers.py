@@ -5,8 +5,10 @@ checkpoint holds. The callback swaps a training loader's sampler for a :class:`R
 that yields the order the loader would have drawn (Lightning's ``DistributedSampler``, seeded by seed +
 epoch; an unseeded ``RandomSampler`` without replacement; ``SequentialSampler``) and records the position in
 the epoch's global order after every batch. Any other sampler (weighted, with replacement, seeded by the
-user, inside Lightning's ``DistributedSamplerWrapper``) is the one that trains: a mid-epoch resume then says,
-on every rank, that its epoch starts again from a new draw.
+user, inside Lightning's ``DistributedSamplerWrapper``, an IterableDataset, a batch sampler of the user's) is
+the one that trains: the position is then recorded in batches, and a mid-epoch resume starts the epoch again
+(``_resume_data``). A loader Lightning itself restores (one with ``state_dict`` / ``load_state_dict``) is left
+to it.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_hybrid._lightning_compat import restart_train_iterator, train_dataloaders, wrapped_sampler
 from lightning_hybrid.callbacks._resume import ResumableSampler
 
-__all__ = ["SamplerOwner"]
+__all__ = ["SamplerOwner", "data_replicas"]
 
 log = logging.getLogger("lightning_hybrid.callbacks.fault_tolerant")
 
@@ -47,6 +50,9 @@ class SamplerOwner:
         self._anchor: tuple[int, int] | None = None
         self._anchor_batch: int | None = None
         self.kept: list[str] = []  # the training loaders whose own order trains (not positioned by the callback)
+        self.kept_batch_size: int | None = None  # the first kept loader's per-rank batch size, where it says
+        # the weight the uninterrupted run gave each epoch's short last window (r/K), once a resume rescaled K
+        self.window_weight: tuple[int, int] | None = None
 
     def own(self, trainer: pl.Trainer) -> None:
         """Swap each training loader's sampler for a ResumableSampler that yields the same order."""
@@ -55,15 +61,20 @@ class SamplerOwner:
             self.configured_k = int(trainer.accumulate_grad_batches)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         loaders = train_dataloaders(trainer)
-        self.kept = []
+        self.kept, self.kept_batch_size = [], None
         for loader in loaders:
+            if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+                continue  # Lightning saves and restores its position itself
             batch_sampler = getattr(loader, "batch_sampler", None)
-            if not (isinstance(loader, DataLoader) and type(batch_sampler) is BatchSampler):
-                self.kept.append(_describe(batch_sampler if batch_sampler is not None else loader))
-                continue
-            sampler = _resumable(batch_sampler.sampler, seed)
+            sampler = None
+            if isinstance(loader, DataLoader) and type(batch_sampler) is BatchSampler:
+                sampler = _resumable(batch_sampler.sampler, seed)
             if sampler is None:
-                self.kept.append(_describe(batch_sampler.sampler))
+                source = batch_sampler.sampler if type(batch_sampler) is BatchSampler else batch_sampler
+                self.kept.append(_describe(source if source is not None else loader))
+                size = getattr(loader, "batch_size", None) or getattr(batch_sampler, "batch_size", None)
+                if not self.kept_batch_size and isinstance(size, int) and not isinstance(size, bool) and size > 0:
+                    self.kept_batch_size = size
                 continue
             batch_sampler.sampler = sampler
             # iterator creation would draw worker seeds from the global RNG: give the loader its own stream
@@ -93,30 +104,28 @@ class SamplerOwner:
             restart_train_iterator(trainer)
 
     def _say_what_is_kept(self, trainer: pl.Trainer) -> None:
-        """Once at the start (rank 0): whose order trains; at a mid-epoch resume, on every rank: what will not be
-        exact (the rank's own log, whatever the warning filters, as each rank may run alone on its node)."""
-        kept = ", ".join(self.kept)
+        """Once at the start (rank 0): whose order trains (a mid-epoch resume says more, on every rank)."""
         rank_zero_warn(
-            f"FaultTolerantCheckpoint: the training data comes from {kept}, which keeps its own order (it is what"
-            " trains); a resume in the middle of an epoch cannot start it part-way, so checkpoints are exact to"
-            " resume at epoch ends only. A sampler FaultTolerantCheckpoint can position: DistributedSampler,"
-            " RandomSampler without replacement or generator, SequentialSampler."
-        )
-        at = self.resume_at
-        if at is None or not at.get("batches") or at["batches"] >= trainer.num_training_batches:
-            return  # a fresh run, or written at the epoch's end: the next epoch starts afresh anyway
-        log.warning(
-            f"[rank {trainer.global_rank}] FaultTolerantCheckpoint: resuming epoch {at['epoch']} after"
-            f" {at['batches']} batches, but {kept} keeps its own order and cannot start part-way through an epoch:"
-            " the epoch goes on with a new draw from its start, so samples it already trained may come again and"
-            " others not at all. Use a sampler FaultTolerantCheckpoint can position, or give yours state_dict()"
-            " and load_state_dict(), for an exact resume."
+            f"FaultTolerantCheckpoint: the training data comes from {', '.join(self.kept)}, which keeps its own order"
+            " (it is what trains); a resume in the middle of an epoch cannot start it part-way, so such a resume"
+            " starts its epoch again from the first batch. A sampler FaultTolerantCheckpoint can position:"
+            " DistributedSampler, RandomSampler without replacement or generator, SequentialSampler; or give the"
+            " loader state_dict() and load_state_dict() (Lightning restores it)."
         )
 
     def track(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        batching = {
+            # what made the global batch, so a resume on another world can say what changed
+            "replicas": data_replicas(trainer),
+            "accumulation": int(trainer.accumulate_grad_batches),
+            "configured": self.configured_k,
+            "world": trainer.world_size,
+            **(dict(zip(("weight_num", "weight_den"), self.window_weight)) if self.window_weight else {}),
+        }
         if not self.samplers:
-            if self.kept:  # a position in batches, to say at a resume what will not be exact
-                self.position = {"epoch": trainer.current_epoch, "batches": batch_idx + 1}
+            if self.kept:  # a position in batches: a resume says what cannot be kept
+                size = {"batch_size": self.kept_batch_size} if self.kept_batch_size else {}
+                self.position = {"epoch": trainer.current_epoch, "batches": batch_idx + 1, **batching, **size}
             return
         sampler, batch_size = self.first()
         consumed = (batch_idx + 1) * batch_size * sampler.num_replicas
@@ -124,21 +133,20 @@ class SamplerOwner:
             if self._anchor_batch is None:
                 self._anchor_batch = batch_idx  # the resumed epoch's first batch in this run
             consumed = self._anchor[1] + (batch_idx - self._anchor_batch + 1) * batch_size * sampler.num_replicas
+        if self.epoch_samples is not None:
+            consumed = min(consumed, self.epoch_samples)  # the epoch's last batch may be short
         self.position = {
             "epoch": trainer.current_epoch,
             "consumed": consumed,
-            # what made the global batch, so a resume on another world can say what changed
+            **batching,
             "replicas": sampler.num_replicas,
             "batch_size": batch_size,
-            "accumulation": int(trainer.accumulate_grad_batches),
-            "configured": self.configured_k,
             # where an epoch ends, when the loader alone decides it (no limit_train_batches)
             **(
                 {"epoch_samples": self.epoch_samples, "epoch_dataset": self.epoch_dataset}
                 if self.epoch_samples is not None and self.epoch_dataset is not None and _unlimited(trainer)
                 else {}
             ),
-            "world": trainer.world_size,
         }
 
     def first(self) -> tuple[ResumableSampler, int]:
@@ -152,11 +160,16 @@ class SamplerOwner:
         return sampler.num_replicas * batch_size
 
     def epoch_samples_now(self, trainer: pl.Trainer) -> int | None:
-        """Global samples an epoch of this fit takes as its loader stands (None: unknown or unbounded)."""
+        """Global samples an epoch of this fit takes as its loader stands (None: unknown or unbounded); the last
+        per-rank batch may be short (``drop_last=False``)."""
         batches = trainer.num_training_batches
         if not self.samplers or batches == float("inf"):
             return None
-        return int(batches) * self.samples_per_batch()
+        (sampler, batch_sampler), size = self.samplers[0], self.first()[1]
+        per_rank = len(sampler) - (len(sampler) % size if batch_sampler.drop_last else 0)
+        if batches < -(-per_rank // size):  # limit_train_batches ends the epoch earlier, on whole batches
+            return int(batches) * self.samples_per_batch()
+        return per_rank * sampler.num_replicas
 
     def restart_at(self, trainer: pl.Trainer, epoch: int, consumed: int) -> None:
         """Continue ``epoch`` at global position ``consumed`` instead (a whole window of this world's)."""
@@ -170,6 +183,14 @@ class SamplerOwner:
         number of replicas); the caller recounts the epoch's batches and restarts the iterator."""
         for _, batch_sampler in self.samplers:
             batch_sampler.batch_size = batch_size
+
+
+def data_replicas(trainer: pl.Trainer) -> int:
+    """Data-parallel ranks (a pipeline's stages see the same samples; single-device strategies have none)."""
+    strategy = trainer.strategy
+    return (
+        int(strategy.distributed_sampler_kwargs.get("num_replicas", 1)) if isinstance(strategy, ParallelStrategy) else 1
+    )
 
 
 def _unlimited(trainer: pl.Trainer) -> bool:

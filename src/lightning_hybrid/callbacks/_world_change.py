@@ -19,16 +19,13 @@ from fractions import Fraction
 from typing import Any, Literal, Protocol, Union, get_args, runtime_checkable
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_hybrid._lightning_compat import (
     epoch_finished_at_restore,
     limit_training_batches,
     move_batch_counter,
     recount_training_batches,
-    train_dataloaders,
 )
-from lightning_hybrid._protocols import ShardedCheckpointing, StepsInsideTrainingStep
 from lightning_hybrid.callbacks._samplers import SamplerOwner
 
 __all__ = [
@@ -36,9 +33,11 @@ __all__ = [
     "Batching",
     "OnWorldSizeChange",
     "WorldPlan",
-    "adapt_to_world",
     "apply",
+    "keep_epoch_end",
     "plan",
+    "restart_window",
+    "schedule_of",
 ]
 
 OnWorldSizeChange = Literal["keep_global_batch", "keep_per_rank_batch", "refuse"]
@@ -130,11 +129,14 @@ class WorldPlan:
         """Batches of the resumed epoch already consumed, in this world's batches."""
         return self.resume_sample() // self.new.per_batch
 
-    def line(self) -> str:
+    def line(self, positioned: bool = True) -> str:
+        """What changed, and (``positioned``: the callback's sampler continues the epoch) where the data resumes."""
         old, new = self.old, self.new
         world = f"world {old.world or '?'} -> {new.world} (dp {old.replicas} -> {new.replicas})"
         where = f"resuming at sample {self.resume_sample()} of epoch {self.epoch}"
-        if self.resume_sample() != self.consumed:
+        if not positioned:
+            where = "the loader's own order goes on"
+        elif self.resume_sample() != self.consumed:
             where += (
                 f" (the checkpoint was written at sample {self.consumed}, inside one of this world's accumulation"
                 " windows: that window is taken again from its start, on every replica alike)"
@@ -337,64 +339,3 @@ def keep_epoch_end(trainer: pl.Trainer, samplers: SamplerOwner, epoch_samples: i
     return (
         f"each epoch ends at sample {epoch_samples} as in the uninterrupted run ({epoch_samples // per_batch} batches)"
     )
-
-
-def adapt_to_world(
-    trainer: pl.Trainer, position: dict[str, Any] | None, samplers: SamplerOwner, policy: OnWorldSizeChange
-) -> str | None:
-    """Plan and apply a resume from ``position`` (the checkpoint's data position) on this world; the line that
-    says what changed, or None when nothing did. Raises, on every rank alike, when the policy refuses."""
-    if not samplers.samplers or position is None:
-        return None  # no owned sampler: the data position is not ours to continue
-    sampler, batch_size = samplers.first()
-    schedule = schedule_of(trainer)
-    strategy = trainer.strategy
-    record = strategy.checkpoint_layout() if isinstance(strategy, ShardedCheckpointing) else {}
-    limit = trainer.limit_train_batches
-    keep_problem = None
-    if not (isinstance(limit, float) and limit == 1.0):
-        keep_problem = (
-            f"limit_train_batches={limit!r} counts per-rank batches, so the epoch would end at another sample;"
-            " remove it, or set it for this world"
-        )
-    elif trainer.reload_dataloaders_every_n_epochs:
-        keep_problem = (
-            "reload_dataloaders_every_n_epochs rebuilds the loader with its configured batch size and length each epoch"
-        )
-    elif any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):  # type: ignore[attr-defined]
-        keep_problem = (
-            "Lightning's GradientAccumulationScheduler sets K from its own schedule each epoch; use"
-            " lightning_hybrid.callbacks.AccumulationScheduler, whose schedule is rescaled"
-        )
-    resize_problem = None
-    if len(samplers.samplers) != 1 or len(train_dataloaders(trainer)) != 1:
-        resize_problem = "there is more than one training loader (or one whose sampler is not resumable)"
-    elif trainer.reload_dataloaders_every_n_epochs:
-        resize_problem = "reload_dataloaders_every_n_epochs rebuilds the loader with its configured batch size"
-    change = plan(
-        position,
-        world=trainer.world_size,
-        replicas=sampler.num_replicas,
-        batch_size=batch_size,
-        accumulation=int(trainer.accumulate_grad_batches) if schedule is None else schedule.accumulate_grad_batches,
-        policy=policy,
-        schedule=schedule,
-        engine=strategy.engine_name() if isinstance(strategy, StepsInsideTrainingStep) else None,
-        microbatches=int(record.get("num_microbatches") or 1) if record.get("pipeline_parallel_size", 1) > 1 else 1,
-        resize_problem=resize_problem,
-        keep_problem=keep_problem,
-    )
-    # where the uninterrupted run's epochs end, when it was measured on this dataset without a limit
-    same_data = position.get("epoch_dataset") == samplers.epoch_dataset and samplers.epoch_dataset is not None
-    wanted = position.get("epoch_samples") if policy == "keep_global_batch" and same_data else None
-    wanted = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else None
-    if change is None:
-        # the same samples per batch; the epoch may still have been shortened by an earlier resume
-        notes = [keep_epoch_end(trainer, samplers, wanted) if keep_problem is None else None]
-        notes.append(restart_window(trainer, samplers, position, schedule))
-        text = "; ".join(note for note in notes if note)
-        return f"world {trainer.world_size}: {text}" if text else None
-    note = apply(trainer, change, schedule, samplers, wanted)
-    if wanted is None:  # measured before a resize: measure this world's again
-        samplers.epoch_samples = samplers.epoch_samples_now(trainer)
-    return change.line() + (f"; {note}" if note else "")

@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -19,6 +19,7 @@ from lightning_hybrid._agree import agree
 from lightning_hybrid._protocols import ExactWindowMeans, ReportsGradientLayout, StepsInsideTrainingStep
 from lightning_hybrid._validate import check_choice, check_int, check_number
 from lightning_hybrid.callbacks._accumulation import NoiseScale, Ramp, can_switch, lookup, validate_schedule
+from lightning_hybrid.callbacks._samplers import data_replicas
 
 __all__ = ["AccumulationScheduler"]
 
@@ -197,7 +198,7 @@ class AccumulationScheduler(Callback):
         # a window of one batch (the epoch's last, cut short): its first micro-batch is its whole batch
         last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or batch_idx + 1 == trainer.num_training_batches
         self._window_of_one = last and self._in_window == 1
-        self._micro_samples = _batch_size(batch) * _replicas(trainer)
+        self._micro_samples = _batch_size(batch) * data_replicas(trainer)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -218,7 +219,7 @@ class AccumulationScheduler(Callback):
             for p in params:
                 p.grad.mul_(self.k / self._in_window)
         if self.unit == "adaptive" and self._small_sq is not None:
-            replicas, copies, reduced = _replicas(trainer), *_gradient_layout(trainer)
+            replicas, copies, reduced = data_replicas(trainer), *_gradient_layout(trainer)
             # the optimizer's gradients: full on every replica (copies = replicas) or disjoint shards (1)
             big_local = _sq_norm(p.grad for p in params) / copies
             # one 2-scalar all-reduce: the small-batch norms and the big-batch norm, each over all ranks
@@ -313,14 +314,6 @@ class AccumulationScheduler(Callback):
         self.noise.load_state_dict(state_dict["noise"])
 
 
-def _replicas(trainer: pl.Trainer) -> int:
-    """Data-parallel ranks (a pipeline's stages see the same samples; single-device strategies have none)."""
-    strategy = trainer.strategy
-    return (
-        int(strategy.distributed_sampler_kwargs.get("num_replicas", 1)) if isinstance(strategy, ParallelStrategy) else 1
-    )
-
-
 def _batch_size(batch: Any) -> int:
     first = batch[0] if isinstance(batch, (tuple, list)) else batch
     while isinstance(first, (tuple, list, dict)):
@@ -341,7 +334,7 @@ def _gradient_layout(trainer: pl.Trainer) -> tuple[int, bool]:
         return strategy.gradient_layout()
     if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
         return 1, True
-    return _replicas(trainer), False
+    return data_replicas(trainer), False
 
 
 def _sq_norm(grads: Iterable[Tensor]) -> float:

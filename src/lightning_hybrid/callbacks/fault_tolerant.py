@@ -1,9 +1,9 @@
 """FaultTolerantCheckpoint: checkpoints that survive kills, preemption, corruption and divergence.
 
 The callback connects Lightning's hooks to its parts, each a module of its own: the on-disk format
-(``lightning_hybrid.checkpoint``), the writer (``_writer``), the resume choice (``_resume_choice``),
-sampler ownership (``_samplers``), preemption and Slurm (``_preemption``), the NaN policy
-(``_nan_policy``) and the watchdog (``_watchdog``).
+(``lightning_hybrid.checkpoint``), the writer (``_writer``), the resume choice (``_resume_choice``), the
+data position (``_resume_data``, ``_samplers``, ``_world_change``), preemption and Slurm (``_preemption``),
+the NaN policy (``_nan_policy``) and the watchdog (``_watchdog``).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from lightning_hybrid.callbacks._preemption import (
 )
 from lightning_hybrid.callbacks._resume import restore_rng
 from lightning_hybrid.callbacks._resume_choice import ResumeState
-from lightning_hybrid.callbacks._samplers import SamplerOwner
+from lightning_hybrid.callbacks._resume_data import DataResume
 from lightning_hybrid.callbacks._watchdog import HANG_EXIT_CODE, Watchdog
-from lightning_hybrid.callbacks._world_change import WORLD_SIZE_CHANGES, OnWorldSizeChange, adapt_to_world
+from lightning_hybrid.callbacks._world_change import WORLD_SIZE_CHANGES, OnWorldSizeChange
 from lightning_hybrid.callbacks._writer import CheckpointWriter
 
 __all__ = ["HANG_EXIT_CODE", "PREEMPTION_EXIT_CODE", "PREEMPTION_SAVE_FAILED_EXIT_CODE", "FaultTolerantCheckpoint"]
@@ -158,7 +158,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self._root = Path(dirpath)
         self._flag = SignalFlag(parsed_signals)
         self._nan = NanPolicy(nan_policy, max_rollbacks=max_rollbacks, report=event) if nan_policy else None
-        self._samplers = SamplerOwner()
+        self._data = DataResume()
         self._writer: CheckpointWriter | None = None
         self._watchdog: Watchdog | None = None
         self._ckpt_group: dist.ProcessGroup | None = None
@@ -168,7 +168,6 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self._seen_step = -1
         self._preempting = False
         self._resume_rng: dict[str, Any] | None = None
-        self._resumed_position: dict[str, int] | None = None  # the data position of the checkpoint resumed
 
     # ------------------------------------------------------------------------------------------- state
 
@@ -192,7 +191,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
             "last_model_path": self.last_model_path,
             "rollbacks": self.rollbacks,
             "nonfinite_steps": self.nonfinite_steps,
-            "data_position": dict(self._samplers.position),
+            "data_position": dict(self._data.samplers.position),
         }
 
     @override
@@ -200,10 +199,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         if self._nan is not None:
             self._nan.rollbacks = int(state_dict.get("rollbacks", 0))
             self._nan.nonfinite_steps = int(state_dict.get("nonfinite_steps", 0))
-        if self._samplers.resume_at is None and isinstance(state_dict.get("data_position"), dict):
-            # rank 0's position: the global data position is the same on every rank
-            self._samplers.resume_at = {k: int(v) for k, v in state_dict["data_position"].items()}
-            self._resumed_position = dict(self._samplers.resume_at)
+        self._data.restore(state_dict.get("data_position"))
 
     # ------------------------------------------------------------------------------------ set-up/resume
 
@@ -220,7 +216,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         self.dirpath = str(root)
         if stage != "fit":
             return
-        self._resumed_position = None  # set again below if this fit resumes (on_load_checkpoint)
+        self._data.forget()  # set again below if this fit resumes (on_load_checkpoint)
         if self.nan_policy == "skip" and isinstance(trainer.strategy, StepsInsideTrainingStep):
             raise ValueError(
                 f"FaultTolerantCheckpoint(nan_policy='skip') (its default) cannot skip a step under"
@@ -258,9 +254,9 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         state = self._resume.check_loaded(trainer, str(trainer.ckpt_path))
         if self._resume.resumed_from is not None:
             self.resumed_from = self._resume.resumed_from
-        if state is not None:
-            self._resume_rng, self._samplers.resume_at = state["rng"], state["data"]
-            self._resumed_position = dict(state["data"]) if isinstance(state["data"], dict) else None
+        self._resume_rng = state["rng"] if state is not None else None
+        ours = checkpoint.get("callbacks", {}).get(self.state_key)
+        self._data.loaded(str(trainer.ckpt_path), state["data"] if state is not None else None, ours)
 
     # ---------------------------------------------------------------------------------- training start
 
@@ -275,10 +271,8 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flag.install()
-        self._samplers.own(trainer)
         # after every other callback's on_train_start (Lightning runs checkpoint callbacks last): the schedule's K
-        position, self._resumed_position = self._resumed_position, None
-        if (change := adapt_to_world(trainer, position, self._samplers, self.on_world_size_change)) is not None:
+        if (change := self._data.start(trainer, self.on_world_size_change)) is not None:
             event(f"FaultTolerantCheckpoint: {change}")
         if self._nan is not None and self._nan.policy == "skip":
             skip_schedulers_when(trainer, self._nan.skipped_last_step)
@@ -307,6 +301,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        self._data.before_step(trainer, optimizer)
         plugin = trainer.precision_plugin
         if self._nan is None:
             return
@@ -323,7 +318,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         step = trainer.global_step
         stepped = step != self._seen_step  # this batch closed an accumulation window
         self._seen_step = step
-        self._samplers.track(trainer, batch_idx)
+        self._data.samplers.track(trainer, batch_idx)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         loss_bad = isinstance(loss, Tensor) and self._nan is not None and not bool(torch.isfinite(loss).all())
         time_due = self.every_n_minutes is not None and (
