@@ -173,6 +173,38 @@ def test_watchdog_exits_a_hung_job_and_names_the_stuck_rank(tmp_path):
     assert f"exitcode  : {HANG_EXIT_CODE}" in result.output
 
 
+def test_a_rank_stopped_during_a_save_does_not_keep_its_peer_waiting(tmp_path):
+    """SIGSTOP (a hung node) of rank 1 while it writes checkpoint 4: rank 0 waits in the save's commit, which the
+    watchdog does not count as a hung step; it used to wait there until the process-group timeout (30 min).
+    Now the waiting rank sees rank 1's heartbeat stop and exits with HANG_EXIT_CODE, naming it."""
+    marker = tmp_path / "writing"
+    inject = {
+        "slow_write": {"step": 4, "seconds": 6, "rank": 1, "marker": str(marker)},
+        "progress": str(tmp_path / "progress"),
+    }
+    (tmp_path / "progress").mkdir()
+    cfg = _job(tmp_path, "stopped", inject=inject, ft={"every_n_train_steps": 4, "hang_timeout": 3})
+    outcome: dict[str, Any] = {}
+    job = threading.Thread(
+        target=lambda: outcome.update(r=launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=150))
+    )
+    job.start()
+    deadline = time.monotonic() + 90
+    while not marker.exists():
+        assert time.monotonic() < deadline and job.is_alive(), "the save of step 4 never started"
+        time.sleep(0.05)
+    os.kill(json.loads((tmp_path / "progress" / "progress1").read_text())[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    job.join(timeout=160)
+    result = outcome["r"]
+    # rank 0 exits on its own (about 1.5 x hang_timeout after its wait began); the launcher then SIGKILLs the
+    # stopped rank after its 30 s grace, as torchrun's agent does
+    assert time.monotonic() - stopped < 50
+    assert result.returncode != 0
+    assert "[rank 0] watchdog: no training step finished" in result.output, result.output[-4000:]
+    assert "waits in checkpoint I/O and rank(s) [1] sent no heartbeat" in result.output
+
+
 def test_async_save_resumes_exactly_and_a_failed_background_write_is_never_marked_complete(tmp_path, reference):
     cfg = _job(
         tmp_path,

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint, ResumableSampler
 from lightning_hybrid.callbacks._resume import capture_rng, cuda_state_for, restore_rng
-from lightning_hybrid.callbacks._watchdog import Watchdog
+from lightning_hybrid.callbacks._watchdog import Watchdog, _Calls
 
 pytestmark = pytest.mark.unit
 
@@ -121,6 +121,45 @@ def test_watchdog_fires_on_a_stalled_step_but_not_while_paused():
     assert len(reports) == 1
     assert "[rank 3] watchdog: no training step finished" in reports[0]
     assert "last finished step 2" in reports[0]
+
+
+class _FrozenStore:
+    """A store whose host process is stopped: every call blocks."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: time.sleep(3600)
+
+
+def _paused_dog(store, reports: list[str]) -> Watchdog:
+    dog = Watchdog(timeout=1.5, rank=0, world_size=2, on_timeout=reports.append)
+    dog._store = _Calls(store)
+    dog.start()
+    dog.beat(1)
+    dog.pause()  # a checkpoint's commit waits on the peer
+    return dog
+
+
+def test_a_watchdog_waiting_in_checkpoint_io_fires_only_once_a_peer_stops_its_heartbeat():
+    """A save waits on every rank; a peer stopped (SIGSTOP, a hung node) used to keep it waiting forever."""
+    store, reports = torch.distributed.HashStore(), []
+    dog = _paused_dog(store, reports)
+    for tick in range(40):  # the peer is alive for 4 s: the long save is not a hang
+        store.set("lightning_hybrid/alive/1", str(tick))
+        time.sleep(0.1)
+    assert reports == []
+    time.sleep(3.5)  # then it stops: within about 1.5 x the limit, the waiting rank exits
+    dog.stop()
+    assert len(reports) == 1, reports
+    assert "waits in checkpoint I/O and rank(s) [1] sent no heartbeat for over 2s (stopped or hung)" in reports[0]
+
+
+def test_a_watchdog_waiting_in_checkpoint_io_fires_when_the_store_stops_answering():
+    reports: list[str] = []
+    dog = _paused_dog(_FrozenStore(), reports)
+    time.sleep(5.0)
+    dog._stop.set()
+    assert len(reports) == 1, reports
+    assert "the job's key-value store (hosted by rank 0) has not answered for" in reports[0]
 
 
 def test_watchdog_derives_its_limit_from_step_times():

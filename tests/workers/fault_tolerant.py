@@ -16,6 +16,8 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         slow_validation: every validation batch sleeps {"seconds": s}
         vanish: the checkpoint folder {"dirpath": d} disappears at the start of the batch after step k
         progress: every rank writes its global step to out/progress<R> after each batch (for outside kills)
+        samples: every rank appends {"step", "dp", "rows"} to <samples>-rank<R>.jsonl at each batch (the step the
+            batch belongs to, its data-parallel rank, a CRC-32 per sample), flushed at once
     plugin: AdaptiveLossScalingPrecision kwargs ("config": LossScaleConfig kwargs)
     accumulation: AccumulationScheduler kwargs
     weights: where rank 0 writes the final consolidated state_dict
@@ -30,6 +32,7 @@ import signal
 import sys
 import time
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,8 @@ class Injector(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
+        if "samples" in self.inject:
+            self._record_samples(trainer, batch)
         inf = self.inject.get("inf")
         if _armed(inf) and step == inf["step"]:
             self._poison_next_backward(pl_module)
@@ -81,6 +86,14 @@ class Injector(Callback):
         if _armed(vanish) and step == vanish["step"]:
             root = Path(vanish["dirpath"])
             root.rename(root.with_name(root.name + ".gone"))  # the mount went away under the job
+
+    def _record_samples(self, trainer, batch) -> None:
+        path = Path(f"{self.inject['samples']}-rank{rank()}.jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dp = trainer.strategy.distributed_sampler_kwargs.get("rank", 0) if trainer.world_size > 1 else 0
+        rows = [zlib.crc32(row.numpy().tobytes()) for row in batch[0]]
+        with open(path, "a") as f:  # one line per batch, on disk before the batch runs
+            f.write(json.dumps({"step": trainer.global_step + 1, "dp": dp, "rows": rows}) + "\n")
 
     def _poison_next_backward(self, pl_module) -> None:
         # a gradient hook, as an overflow happens: inside backward, before any strategy reduces or hands off
