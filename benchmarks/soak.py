@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -59,7 +60,7 @@ from _jobs import publish  # noqa: E402
 from helpers import launch  # noqa: E402
 
 BOUND_S = 60.0  # every rank of a failed job has ended within this many seconds of the fault
-STEPS = 240  # more than any soak's relaunches reach: the final launch always has steps left to run
+MIN_STEPS = 240  # and 6 steps per failure: the relaunches never reach the end; the final launch has steps left
 EVERY = 2
 HANG_TIMEOUT = 8.0
 SIGNALS = {"sigkill": signal.SIGKILL, "sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigstop": signal.SIGSTOP}
@@ -106,6 +107,7 @@ class Record:
     exit_codes: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
     problems: list[str] = field(default_factory=list)
     weight_diff: float = float("nan")
+    steps: int = 0
     steps_compared: int = 0
     disk: str = ""
 
@@ -207,7 +209,7 @@ class Disk:
 # -- one launch -------------------------------------------------------------------------------------------
 
 
-def _config(job: Job, work: Path, name: str, nproc: int, ckpt: Path) -> dict[str, Any]:
+def _config(job: Job, work: Path, name: str, nproc: int, ckpt: Path, steps: int) -> dict[str, Any]:
     kwargs = {**job.strategy, "schedule": "1f1b"} if "pipeline_parallel_size" in job.strategy else dict(job.strategy)
     (work / name / "progress").mkdir(parents=True, exist_ok=True)
     replicas = nproc // job.strategy.get("pipeline_parallel_size", 1)
@@ -222,7 +224,7 @@ def _config(job: Job, work: Path, name: str, nproc: int, ckpt: Path) -> dict[str
             "hang_timeout": HANG_TIMEOUT,
             "on_world_size_change": "keep_global_batch",
         },
-        "steps": STEPS,
+        "steps": steps,
         "model": {"dropout": job.dropout, **job.optimizer},
         "data": {"batch_size": 4, "stride": 59},  # 96 samples: 12 steps of 8, on any world
         "trainer": {"accumulate_grad_batches": base // replicas},
@@ -265,7 +267,7 @@ def _launch_with_fault(
         if filled is not None and sent is None and top >= filled + EVERY + 1:
             disk.free()  # another job's files were removed: the next save has room again
         if sent is None and top >= at and len(seen) == nproc:
-            time.sleep(rng.uniform(0.0, 0.3))  # anywhere in the step: a save, a collective, a pipeline send
+            time.sleep(rng.uniform(0.0, 0.05))  # anywhere in a step: a save, a collective, a pipeline send
             pids = [s[1] for s in _progress(cfg, nproc).values()]
             sig = {
                 "sigkill": signal.SIGKILL,
@@ -329,12 +331,12 @@ def _samples(folder: Path, launches: list[str]) -> dict[int, list[int]]:
 def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Record:
     import torch
 
-    rec = Record()
+    rec = Record(steps=max(MIN_STEPS, 6 * failures))
     disk = Disk(work / "disk")
     rec.disk = disk.kind
     try:
         began = time.monotonic()
-        ref_cfg = _config(job, work, "reference", job.nproc, work / "reference-ckpt")
+        ref_cfg = _config(job, work, "reference", job.nproc, work / "reference-ckpt", rec.steps)
         launch("fault_tolerant.py", ref_cfg, nproc=job.nproc, timeout=900)
         rec.reference_wall = time.monotonic() - began
         reference = _samples(work / "samples", ["reference"])
@@ -351,7 +353,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
             full_disk = rng.random() < FULL_DISK_P
             newest = _newest(before)
             at = (_order(newest)[0] if newest else 0) + rng.randint(1, 2 * EVERY)
-            cfg = _config(job, work, name, nproc, root)
+            cfg = _config(job, work, name, nproc, root, rec.steps)
             out = _launch_with_fault(cfg, nproc, at, ending, full_disk, disk, rng)
             launches.append(name)
             rec.relaunches += 1
@@ -391,7 +393,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
             before = state
             log(f"{where}: ended in {out['ended_in'] or 0:.1f} s, exit {_code(out)}, newest valid {nxt}; "
                 f"{sum(rec.failures.values())} failures")  # fmt: skip
-        final = _config(job, work, "final", job.nproc, root)
+        final = _config(job, work, "final", job.nproc, root, rec.steps)
         done = launch("fault_tolerant.py", final, nproc=job.nproc, timeout=900, expect_success=False)
         launches.append("final")
         rec.wall = time.monotonic() - began
@@ -406,7 +408,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
             rec.problems.append(f"{job.name}: final weights {rec.weight_diff:.3g} from the uninterrupted run's")
         got = _samples(work / "samples", launches)
         rec.steps_compared = len(reference)
-        for step in range(1, STEPS + 1):
+        for step in range(1, rec.steps + 1):
             if got.get(step) != reference.get(step):
                 rec.problems.append(f"{job.name}: step {step} trained other samples than the uninterrupted run")
                 break
@@ -465,7 +467,8 @@ def table(records: dict[str, Record], seed: int) -> list[str]:
             codes[kind].update(r.exit_codes[kind])
     for kind in sorted(counts):
         values = kinds.get(kind, [])
-        exits = ", ".join(f"{c} ({n})" for c, n in codes[kind].most_common()) or "- (the job went on)"
+        exits = ", ".join(f"{c} ({n})" for c, n in codes[kind].most_common())
+        exits = exits or ("- (the job went on)" if kind == "full disk" else "- (between launches)")
         if values:
             lines.append(
                 f"| {kind} | {counts[kind]} | {statistics.median(values):.1f} | {_pct(values, 0.9):.1f} |"
@@ -510,7 +513,8 @@ def main() -> None:
     if args.keep:
         print(f"jobs' folders: {work}")
     try:
-        records = run(args.failures, args.seed, work, jobs, log=(lambda *_: None) if args.quiet else print)
+        log = (lambda *_: None) if args.quiet else functools.partial(print, flush=True)
+        records = run(args.failures, args.seed, work, jobs, log=log)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -99,6 +99,18 @@ CASES: dict[str, dict[str, Any]] = {
     # count is agreed after training_step): agreed at once
     "zero0_skip_gather_with_grads": {"strategy": {"data_parallel_size": 2, "zero_stage": 0}, "skip": 1, "gather": True},
     "zero1_skip_counted": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 0, "counted": True},
+    # a block of the last stage that breaks the pipeline contract (returns a dict) or raises in its forward: the
+    # first stage holds neither, and must fail with the same message instead of a closed connection (one job each)
+    **{
+        name: {"strategy": {"pipeline_parallel_size": 2}, "bad_block": how, "alone": True}
+        for name, how in (
+            ("block_returns_dict_on_one_stage", "dict"),
+            ("block_raises_on_one_stage", "raise"),
+            ("first_stage_block_returns_dict", "dict0"),
+            ("first_stage_block_changes_shape", "shape0"),
+            ("block_raises_at_step_2", "raise_later"),
+        )
+    },
     # every rank skips the same batch: Lightning's own refusal, on every rank
     "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
 }
@@ -146,6 +158,28 @@ def skipping(model: L.LightningModule, case: dict[str, Any]) -> Any:
     return training_step
 
 
+def break_last_block(model: L.LightningModule, how: str) -> None:
+    """A block breaks the contract: the last one (last stage) returns a dict or raises (at once, or from the
+    third call); with ``0``, the first stage's last block returns a dict or, from its third call, a tensor of
+    another shape."""
+    block = model.layers[len(model.layers) // 2 - 1] if how.endswith("0") else model.layers[-1]
+    forward = block.forward
+    calls = [0]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        out = forward(*args, **kwargs)
+        if how == "raise" or (how == "raise_later" and calls[0] > 2):
+            raise ValueError("a bug in the user's block")
+        if how.startswith("dict"):
+            return {"hidden": out}
+        if how == "shape0" and calls[0] > 2:
+            return out[:, :-1].contiguous()
+        return out
+
+    block.forward = broken
+
+
 def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
     """A name-keyed parameter-group rule that tells the two names of a tied parameter apart."""
     named = list(model.named_parameters())
@@ -181,6 +215,8 @@ def attempt(case: dict[str, Any]) -> str:
                     }
                 }
             )
+        if case.get("bad_block"):
+            break_last_block(model, case["bad_block"])
         if case.get("groups_by_name"):
             model.configure_optimizers = lambda: groups_by_name(model)
         if "skip" in case:
@@ -225,7 +261,11 @@ OUT = "."  # this job's folder (set in main)
 def main(cfg: dict[str, Any]) -> None:
     global OUT
     OUT = cfg["out"]
-    cases = {name: case for name, case in CASES.items() if not cfg.get("only") or name in cfg["only"]}
+    cases = {
+        name: case
+        for name, case in CASES.items()
+        if (name in cfg["only"] if cfg.get("only") else not case.get("alone"))  # "alone": a job of its own
+    }
     write_report(cfg["out"], {"rank": rank(), "errors": {name: attempt(case) for name, case in cases.items()}})
 
 
