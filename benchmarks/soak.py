@@ -115,11 +115,11 @@ class Record:
 # -- checkpoints, judged without the pack -----------------------------------------------------------------
 
 
-def _valid(folder: Path) -> bool:
-    """The manifest parses and names files, and every file it names has its size and SHA-256."""
+def valid(folder: Path, required: frozenset[str] = frozenset()) -> bool:
+    """The manifest parses and names files (``required`` among them), and every one has its size and SHA-256."""
     try:
         files = json.loads((folder / "manifest.json").read_text())["files"]
-        if not files:
+        if not files or not required <= set(files):
             return False
         for name, entry in files.items():
             data = (folder / name).read_bytes()
@@ -130,21 +130,23 @@ def _valid(folder: Path) -> bool:
         return False
 
 
-def _order(name: str) -> tuple[int, int]:
+def order(name: str) -> tuple[int, int]:
     match = re.match(r"^step-(\d+)(?:-v(\d+))?$", name)
     assert match, name
     return int(match.group(1)), int(match.group(2) or 0)
 
 
-def _snapshot(root: Path) -> dict[str, bool]:
+def snapshot(root: Path, required: frozenset[str] = frozenset()) -> dict[str, bool]:
+    """Each step folder under ``root``: valid or not."""
     if not root.exists():
         return {}
-    return {p.name: _valid(p) for p in root.iterdir() if p.is_dir() and re.match(r"^step-\d+(-v\d+)?$", p.name)}
+    steps = (p for p in root.iterdir() if p.is_dir() and re.match(r"^step-\d+(-v\d+)?$", p.name))
+    return {p.name: valid(p, required) for p in steps}
 
 
 def _newest(state: dict[str, bool]) -> str | None:
-    valid = [n for n, ok in state.items() if ok]
-    return max(valid, key=_order) if valid else None
+    good = [n for n, ok in state.items() if ok]
+    return max(good, key=order) if good else None
 
 
 def _damage(folder: Path, rng: random.Random) -> str:
@@ -352,7 +354,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
             ending = rng.choices(endings, [ENDINGS[e] for e in endings])[0]
             full_disk = rng.random() < FULL_DISK_P
             newest = _newest(before)
-            at = (_order(newest)[0] if newest else 0) + rng.randint(1, 2 * EVERY)
+            at = (order(newest)[0] if newest else 0) + rng.randint(1, 2 * EVERY)
             cfg = _config(job, work, name, nproc, root, rec.steps)
             out = _launch_with_fault(cfg, nproc, at, ending, full_disk, disk, rng)
             launches.append(name)
@@ -379,9 +381,9 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
                 if out["ended_in"] > BOUND_S:
                     rec.problems.append(f"{where}: ranks ended {out['ended_in']:.0f} s after the fault")
                 pending_recovery = out["ended_in"]
-            state = _snapshot(root)
+            state = snapshot(root)
             for ckpt, ok in before.items():
-                if ok and ckpt not in state and not any(v and _order(n) > _order(ckpt) for n, v in state.items()):
+                if ok and ckpt not in state and not any(v and order(n) > order(ckpt) for n, v in state.items()):
                     rec.problems.append(f"{where}: valid checkpoint {ckpt} is gone and no newer valid one exists")
             after = _newest(state)
             if after is not None and rng.random() < CORRUPT_P:
@@ -389,7 +391,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
                 rec.failures[f"checkpoint {how}"] += 1
                 state[after] = False
             nxt = _newest(state)
-            rec.redone += max(0, out["reached"] - (_order(nxt)[0] if nxt else 0))
+            rec.redone += max(0, out["reached"] - (order(nxt)[0] if nxt else 0))
             before = state
             log(f"{where}: ended in {out['ended_in'] or 0:.1f} s, exit {_code(out)}, newest valid {nxt}; "
                 f"{sum(rec.failures.values())} failures")  # fmt: skip

@@ -8,12 +8,11 @@ hashlib), and the faults come from outside the processes, as a node failure or a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,12 +22,15 @@ import pytest
 import torch
 from helpers import launch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from soak import order, snapshot  # the checkpoints judged without the pack, as the soak judges them
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 STEPS = 80  # long enough that 20 interrupted launches (at most 3 steps of progress each) never finish it
 LAUNCHES = 20
 KEEP_LAST = 2
-REQUIRED = {"checkpoint.pt", "rank-00000.pt", "rank-00001.pt", "manifest.json"}
+REQUIRED = frozenset({"checkpoint.pt", "rank-00000.pt", "rank-00001.pt"})
 
 
 def _config(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
@@ -40,34 +42,6 @@ def _config(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
         "out": str(tmp / name),
         **extra,
     }
-
-
-def _valid(folder: Path) -> bool:
-    """An independent verdict: the manifest parses, lists what a load reads, and every file matches it."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-        files = manifest["files"]
-        if not REQUIRED - {"manifest.json"} <= set(files):
-            return False
-        for name, entry in files.items():
-            data = (folder / name).read_bytes()
-            if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                return False
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def _order(name: str) -> tuple[int, int]:
-    match = re.match(r"^step-(\d+)(?:-v(\d+))?$", name)
-    assert match, name
-    return int(match.group(1)), int(match.group(2) or 0)
-
-
-def _snapshot(root: Path) -> dict[str, bool]:
-    if not root.exists():
-        return {}
-    return {p.name: _valid(p) for p in root.iterdir() if p.name.startswith("step-") and p.is_dir()}
 
 
 def _run_until(cfg: dict[str, Any], step: int, action: str, victim: int) -> dict[str, Any]:
@@ -123,16 +97,16 @@ def test_twenty_relaunches_with_random_faults_end_with_the_uninterrupted_weights
         # the resume point is the newest checkpoint that was valid when the launch started
         if newest_valid >= 0:
             assert resumed != "-", f"started fresh although valid checkpoints existed: {where}"
-            assert _order(Path(resumed).parent.name) == max(_order(n) for n, ok in valid_before.items() if ok), where
+            assert order(Path(resumed).parent.name) == max(order(n) for n, ok in valid_before.items() if ok), where
         if action == "sigterm" and outcome["sent_at"] is not None:
             codes = [r.get("exit_code") for r in outcome["result"].reports if "exit_code" in r]
             assert codes and set(codes) == {75}, f"{codes}: {where}\n{outcome['result'].output[-3000:]}"
-        state = _snapshot(root)
+        state = snapshot(root, REQUIRED)
         # never: a valid checkpoint deleted while no newer valid one exists
         for name, ok in valid_before.items():
             if ok and name not in state:
-                assert any(v and _order(n) > _order(name) for n, v in state.items()), f"lost {name}: {where}"
-        valid = sorted((n for n, ok in state.items() if ok), key=_order)
+                assert any(v and order(n) > order(name) for n, v in state.items()), f"lost {name}: {where}"
+        valid = sorted((n for n, ok in state.items() if ok), key=order)
         if action == "corrupt" and valid:
             newest = root / valid[-1]
             target = max((p for p in newest.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
@@ -144,7 +118,7 @@ def test_twenty_relaunches_with_random_faults_end_with_the_uninterrupted_weights
             target.write_bytes(bytes(data))
             state[valid[-1]] = False
         valid_before = state
-        newest_valid = max((_order(n)[0] for n, ok in state.items() if ok), default=-1)
+        newest_valid = max((order(n)[0] for n, ok in state.items() if ok), default=-1)
     assert {entry[1] for entry in history} == {"sigkill", "sigterm", "corrupt"}
     final = launch("fault_tolerant.py", _config(tmp_path / "run", "final"), nproc=2, timeout=240)
     assert final.rank(0)["global_step"] == STEPS

@@ -68,6 +68,28 @@ def test_every_bad_input_fails_on_every_rank_with_the_same_message():
         assert fragment in errors[0][case], f"{case}: {errors[0][case]}"
 
 
+CONTRACT = {
+    # the stage that does not hold the failing block raises the same message, not "Connection closed by peer"
+    "block_returns_dict_on_one_stage": "Stage args must be a tensor, tuple, or list of tensors, got dict. (raised on"
+    " rank 1, pipeline stage [1])",
+    "first_stage_block_returns_dict": "got dict. (raised on rank 0, pipeline stage [0])",
+    "block_raises_on_one_stage": "ValueError: a bug in the user's block (raised on rank 1, pipeline stage [1])",
+    "first_stage_block_changes_shape": "Failed to run stage backward: Stage output: ('Tensor(torch.Size([4, 15, 32])",
+    # at the third forward, inside torch's stage: the user's error is named first, torch's wrapper after it
+    "block_raises_at_step_2": "ValueError: a bug in the user's block (inside torch's RuntimeError: [Stage 1] failed"
+    " to run forward",
+}
+
+
+@pytest.mark.multiproc
+def test_a_block_that_breaks_the_contract_on_one_stage_fails_every_rank_with_its_message():
+    for case, fragment in CONTRACT.items():  # a job each: the failure ends the process group
+        job = launch("bad_inputs.py", {"only": [case]}, nproc=2, timeout=120)
+        errors = [job.rank(r)["errors"][case] for r in (0, 1)]
+        assert errors[0] == errors[1], f"{case}: ranks disagree: {errors}"
+        assert fragment in " ".join(errors[0].split()), f"{case}: {errors[0]}"
+
+
 @pytest.mark.unit
 def test_layout_rules():
     lay = resolve_layout(

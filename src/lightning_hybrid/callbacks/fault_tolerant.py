@@ -90,7 +90,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
         max_rollbacks: give up (raise) after this many rollbacks.
         hang_timeout: seconds without a finished step before the watchdog exits the process; ``None`` derives
             it from the step times seen (at least 5 minutes); ``0`` disables the watchdog. Checkpoint I/O
-            never counts.
+            does not count while every peer's heartbeat goes on (a peer stopped or hung during a save ends it).
         on_world_size_change: a resume on another number of data-parallel replicas (a node lost or added):
             ``"keep_global_batch"`` rescales the accumulation (or, where that is not whole, the per-rank batch
             size) so every step takes the uninterrupted run's samples; ``"keep_per_rank_batch"`` rescales

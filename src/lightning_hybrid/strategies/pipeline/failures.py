@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_hybrid._torch_compat import default_store
 
-__all__ = ["ACK_TIMEOUT", "PipelineFailures"]
+__all__ = ["ACK_TIMEOUT", "PipelineFailures", "describe"]
 
 ACK_TIMEOUT = 10.0
 _POLL = 1.0
@@ -70,7 +70,7 @@ class PipelineFailures:
             return exc
         if self.message is not None:
             return RuntimeError(self.message)
-        ours = f"{type(exc).__name__}: {exc} (raised on rank {self.rank}, pipeline stage {self.stages})"
+        ours = f"{describe(exc)} (raised on rank {self.rank}, pipeline stage {self.stages})"
         self.message = ours  # first: the watching thread must not count this rank as a reader of its own
         try:
             winner = self.store.compare_set(self.key, "", ours).decode()
@@ -86,3 +86,16 @@ class PipelineFailures:
                 break
             time.sleep(0.1)
         return RuntimeError(ours)
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` named by its root cause: torch's stages wrap a block's own error ("[Stage 1] failed to run
+    forward: args ...") and keep it as ``__cause__``; the user's error comes first, torch's context after."""
+    root = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    if root is exc:
+        return f"{type(exc).__name__}: {exc}"
+    context = " ".join(str(exc).split())
+    context = context if len(context) <= 160 else context[:157] + "..."
+    return f"{type(root).__name__}: {root} (inside torch's {type(exc).__name__}: {context})"
