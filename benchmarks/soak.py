@@ -17,8 +17,8 @@ scheduler would send it: SIGKILL of one rank, SIGTERM of every rank (a preemptio
 (Ctrl-C in the terminal, which signals the whole foreground process group) or SIGSTOP of one rank (a hung
 node: its peers' watchdog must end them). Some launches also meet a full disk for a while (the checkpoints
 live on a small filesystem made for the soak, filled to the last byte and freed again a few steps later),
-and after some launches the newest valid checkpoint is truncated or has a byte flipped. The driver then
-relaunches at once, as Slurm's requeue or torchrun's restart would, with nothing done by hand; the ranks
+and after some launches the newest valid checkpoint (of at least two) is truncated or has a byte flipped.
+The driver then relaunches at once, as Slurm's requeue or torchrun's restart would, with nothing done by hand; the ranks
 are started with torchrun's environment and its failure policy (a failed rank's peers get SIGTERM, then
 SIGKILL 30 s later), forked from preloaded interpreters (``tests/helpers.py``).
 
@@ -346,6 +346,7 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
         launches: list[str] = []
         before: dict[str, bool] = {}
         pending_recovery: float | None = None
+        early = 0  # launches in a row that ended before their fault
         began = time.monotonic()
         while sum(rec.failures.values()) < failures:
             name = f"launch{len(launches):04d}"
@@ -374,7 +375,12 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
             if out["sent"] is None:
                 rec.problems.append(f"{where}: the job ended before the fault (exit {_code(out)})\n{_tail(out)}")
                 pending_recovery = None
+                early += 1
+                if early == 5:
+                    rec.problems.append(f"{job.name}: 5 launches in a row ended before their fault: a crash loop")
+                    break
             else:
+                early = 0
                 rec.failures[ending] += 1
                 rec.ended_in[ending].append(out["ended_in"])
                 rec.exit_codes[ending][_code(out)] += 1
@@ -386,7 +392,9 @@ def soak_job(job: Job, failures: int, work: Path, rng: random.Random, log) -> Re
                 if ok and ckpt not in state and not any(v and order(n) > order(ckpt) for n, v in state.items()):
                     rec.problems.append(f"{where}: valid checkpoint {ckpt} is gone and no newer valid one exists")
             after = _newest(state)
-            if after is not None and rng.random() < CORRUPT_P:
+            # the newest valid checkpoint, where an older valid one remains (with none, the run starts over from
+            # step 0, as tests/test_fault_tolerant.py checks; the soak would only get longer)
+            if sum(state.values()) >= 2 and rng.random() < CORRUPT_P:
                 how = _damage(root / after, rng)
                 rec.failures[f"checkpoint {how}"] += 1
                 state[after] = False

@@ -173,6 +173,27 @@ def test_watchdog_exits_a_hung_job_and_names_the_stuck_rank(tmp_path):
     assert f"exitcode  : {HANG_EXIT_CODE}" in result.output
 
 
+def test_no_valid_checkpoint_left_under_a_sharded_strategy_starts_fresh_instead_of_a_crash_loop(tmp_path):
+    """Every checkpoint invalid under HybridParallelStrategy: the initial state is saved as step 0 for Lightning to
+    load; it was saved in setup, before the strategy could hand over its state ("The gradient synchronisation is
+    chosen in setup()"), and every relaunch failed the same way. Now it is saved from on_fit_start."""
+    strategy = {"name": "hybrid_class", "kwargs": {"zero_stage": 2}}
+    first = _job(tmp_path, "first", strategy=strategy, steps=4)
+    launch("fault_tolerant.py", first, nproc=2)
+    root = Path(first["ft"]["dirpath"])
+    for step_dir in root.glob("step-*"):
+        (step_dir / "manifest.json").write_text("{")
+    again = _job(tmp_path, "first", strategy=strategy, steps=4)
+    fresh = launch("fault_tolerant.py", again, nproc=2)
+    assert "no valid checkpoint under" in fresh.output and "starting fresh" in fresh.output
+    for rank in (0, 1):
+        assert fresh.rank(rank)["resumed_from"].endswith("step-000000000")
+        assert fresh.rank(rank)["global_step"] == 4
+    reference = _job(tmp_path, "reference", strategy=strategy, steps=4)
+    launch("fault_tolerant.py", reference, nproc=2)
+    assert _max_diff(Path(reference["weights"]), Path(again["weights"])) == 0.0
+
+
 def test_a_rank_stopped_during_a_save_does_not_keep_its_peer_waiting(tmp_path):
     """SIGSTOP (a hung node) of rank 1 while it writes checkpoint 4: rank 0 waits in the save's commit, which the
     watchdog does not count as a hung step; it used to wait there until the process-group timeout (30 min).

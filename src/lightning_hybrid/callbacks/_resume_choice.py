@@ -127,6 +127,7 @@ class ResumeState:
         self.written: set[Path] = set()  # folders this run completed
         self.lineage = False  # resumed from this folder: its history is this run's (retention may prune it)
         self.fresh_start: StepFolder | None = None  # the initial state saved when nothing was valid
+        self._save_fresh: Callable[[], StepFolder | None] | None = None  # that save, until it can run
         self.complete_step = -1  # step of the newest complete checkpoint (resumed from or written)
         self.resumed_from: str | None = None
 
@@ -146,6 +147,17 @@ class ResumeState:
         problem = trainer.strategy.broadcast(problem)
         if problem:
             raise RuntimeError(f"FaultTolerantCheckpoint: {problem}")
+
+    def start_fresh(self) -> None:
+        """Save the initial state as step 0 where nothing verified (the save moves the pointer Lightning loads).
+        A strategy that loads after its own set-up (sharded: HybridParallelStrategy, ModelParallelStrategy) can
+        save its state only once set up: from ``on_fit_start``, right before Lightning loads."""
+        save, self._save_fresh = self._save_fresh, None
+        if save is None:
+            return
+        self.fresh_start = save()
+        if self.fresh_start is None:
+            raise RuntimeError(f"FaultTolerantCheckpoint: cannot write to {self.root} (see the error above).")
 
     def answer(self) -> set[str]:
         """Lightning's "last" lookup (before any process group: every rank runs this)."""
@@ -188,9 +200,9 @@ class ResumeState:
                 f"FaultTolerantCheckpoint: no valid checkpoint under {self.root}; starting fresh from the initial"
                 " weights (saved as step 0)."
             )
-            self.fresh_start = save_initial()  # the save moves the pointer
-            if self.fresh_start is None:
-                raise RuntimeError(f"FaultTolerantCheckpoint: cannot write to {self.root} (see the error above).")
+            self._save_fresh = save_initial
+            if not trainer.strategy.restore_checkpoint_after_setup:
+                self.start_fresh()  # Lightning loads before the strategy's set-up: the state can be saved now
             return
         problem = None
         if trainer.is_global_zero:

@@ -261,6 +261,10 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     # ---------------------------------------------------------------------------------- training start
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resume.start_fresh()  # nothing valid to resume, under a strategy that loads after its set-up
+
+    @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flag.install()  # take SIGTERM back from the handler Lightning installed right before
 
