@@ -194,6 +194,30 @@ def test_no_valid_checkpoint_left_under_a_sharded_strategy_starts_fresh_instead_
     assert _max_diff(Path(reference["weights"]), Path(again["weights"])) == 0.0
 
 
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_full_disk_on_one_rank_of_a_sharded_save_fails_that_checkpoint_on_every_rank_and_training_goes_on(
+    tmp_path, save
+):
+    """HybridParallelStrategy: a rank whose own file (its rank file; on rank 0 also meta.pt) cannot be written
+    used to skip DCP's collective write the other ranks were already in: both waited forever (found by the
+    soak, with the disk filled between two ranks' writes). Now every rank takes part, the checkpoint fails on
+    every rank alike and is removed, and training goes on to the uninterrupted weights."""
+    strategy = {"name": "hybrid_class", "kwargs": {"zero_stage": 2}}
+    ft = {"async_save": save == "async", "hang_timeout": 20}
+    reference = _job(tmp_path, "reference", strategy=strategy, steps=6, ft=ft)
+    launch("fault_tolerant.py", reference, nproc=2)
+    for rank in (1, 0):
+        cfg = _job(tmp_path, f"rank{rank}", strategy=strategy, steps=6, ft=ft)
+        cfg["inject"] = {"fail_write": {"step": 4, "rank": rank}}
+        result = launch("fault_tolerant.py", cfg, nproc=2, timeout=120)
+        assert "step-000000004 failed and is not marked complete" in result.output, result.output[-3000:]
+        assert "No space left on device (injected)" in result.output
+        root = Path(cfg["ft"]["dirpath"])
+        assert not (root / "step-000000004").exists()
+        assert (root / "step-000000006" / "manifest.json").exists()
+        assert _max_diff(Path(reference["weights"]), Path(cfg["weights"])) == 0.0
+
+
 def test_a_rank_stopped_during_a_save_does_not_keep_its_peer_waiting(tmp_path):
     """SIGSTOP (a hung node) of rank 1 while it writes checkpoint 4: rank 0 waits in the save's commit, which the
     watchdog does not count as a hung step; it used to wait there until the process-group timeout (30 min).

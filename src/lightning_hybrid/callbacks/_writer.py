@@ -135,21 +135,27 @@ class CheckpointWriter:
         rank, group = trainer.global_rank, self.group if background else None
 
         def run() -> None:
-            try:
-                files = {rank_file(rank): self.write_file(folder.path / rank_file(rank), _saver(per_rank))}
-                if tensors is not None:
+            files: dict[str, FileEntry] = {}
+            errors: list[str] = []
+            if tensors is not None:  # collective: every rank takes part first, whatever its own files do after
+                try:
                     meta = checkpoint if rank == 0 else None
                     files.update(
                         write_sharded(folder.path, tensors, meta, process_group=group, write_file=self.write_file)
                     )
-                elif rank == 0:
+                except CheckpointException as exc:
+                    _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            try:
+                files[rank_file(rank)] = self.write_file(folder.path / rank_file(rank), _saver(per_rank))
+                if tensors is None and rank == 0:
                     files[CHECKPOINT_FILE] = self.write_file(folder.path / CHECKPOINT_FILE, _saver(checkpoint))
-                write.files = files
-            except CheckpointException as exc:
-                _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
-                write.error = f"{type(exc).__name__}: {exc}"
             except Exception as exc:
-                write.error = f"{type(exc).__name__}: {exc}"
+                errors.append(f"{type(exc).__name__}: {exc}")
+            write.files = files
+            write.error = "; ".join(errors) or None
 
         if background:
             write.thread = threading.Thread(target=run, name=f"lightning-hybrid-save-{step}", daemon=True)

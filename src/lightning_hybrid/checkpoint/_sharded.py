@@ -79,8 +79,12 @@ def write_sharded(
     ``meta`` is written by whoever passes it: global rank 0). Returns the files this rank wrote."""
     path = Path(path)
     files: dict[str, FileEntry] = {}
+    failed: Exception | None = None
     if meta is not None:  # before DCP's .metadata, which DCP writes last: a folder with .metadata is whole
-        files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
+        try:
+            files[META_FILE] = write_file(path / META_FILE, lambda f: torch.save(meta, f))
+        except Exception as exc:  # a full disk: the other ranks are already in DCP's collectives, so go too
+            failed = exc
     writer, fs = dcp_writer(path)
     dcp.save(
         tensors,
@@ -89,6 +93,8 @@ def write_sharded(
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
+    if failed is not None:
+        raise failed
     files.update(fs.written)
     return files
 
