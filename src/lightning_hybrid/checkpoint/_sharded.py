@@ -93,7 +93,8 @@ def write_sharded(
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
-    if failed is not None:
+    if failed is not None:  # without meta.pt the folder is not whole: take its index away again
+        (path / ".metadata").unlink(missing_ok=True)
         raise failed
     files.update(fs.written)
     return files
