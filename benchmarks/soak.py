@@ -256,7 +256,7 @@ def _launch_with_fault(
     )
     start = time.monotonic()
     job.start()
-    sent = first = filled = reached = victim = None
+    sent = first = filled = reached = None
     seen: dict[int, list[Any]] = {}
     fill_at = at - rng.randint(1, EVERY + 1) if full_disk else None
     while job.is_alive():
@@ -271,12 +271,7 @@ def _launch_with_fault(
         if sent is None and top >= at and len(seen) == nproc:
             time.sleep(rng.uniform(0.0, 0.05))  # anywhere in a step: a save, a collective, a pipeline send
             pids = [s[1] for s in _progress(cfg, nproc).values()]
-            sig = {
-                "sigkill": signal.SIGKILL,
-                "sigterm": signal.SIGTERM,
-                "sigint": signal.SIGINT,
-                "sigstop": signal.SIGSTOP,
-            }[ending]
+            sig = SIGNALS[ending]
             targets = [rng.choice(pids)] if ending in ("sigkill", "sigstop") else pids
             sent = time.monotonic()
             for pid in targets:
@@ -296,8 +291,6 @@ def _launch_with_fault(
         "resumed": next(iter(seen.values()))[2] if seen else None,
         "reached": reached if sent is not None else max((s[0] for s in seen.values()), default=0),
         "filled": filled,
-        "victim": victim,
-        "wall": ended - start,
     }
 
 

@@ -45,6 +45,27 @@ def _max_diff(a: Path, b: Path) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+def _launch_until_writing(cfg: dict[str, Any], marker: Path, timeout: float) -> tuple[threading.Thread, dict]:
+    """Launch a 2-rank job in the background; return once a rank began writing a checkpoint (``marker``)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        outcome["r"] = launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=timeout)
+
+    job = threading.Thread(target=run)
+    job.start()
+    deadline = time.monotonic() + 90
+    while not marker.exists():
+        assert time.monotonic() < deadline and job.is_alive(), "the save never started"
+        time.sleep(0.05)
+    return job, outcome
+
+
+def _pids(cfg: dict[str, Any]) -> list[int]:
+    """Each rank's process, from the report it writes when it starts."""
+    return [json.loads((Path(cfg["out"]) / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, Any]:
     """The uninterrupted 2-rank DDP run every interrupted run must reproduce."""
@@ -223,22 +244,10 @@ def test_a_rank_stopped_during_a_save_does_not_keep_its_peer_waiting(tmp_path):
     watchdog does not count as a hung step; it used to wait there until the process-group timeout (30 min).
     Now the waiting rank sees rank 1's heartbeat stop and exits with HANG_EXIT_CODE, naming it."""
     marker = tmp_path / "writing"
-    inject = {
-        "slow_write": {"step": 4, "seconds": 6, "rank": 1, "marker": str(marker)},
-        "progress": str(tmp_path / "progress"),
-    }
-    (tmp_path / "progress").mkdir()
+    inject = {"slow_write": {"step": 4, "seconds": 6, "rank": 1, "marker": str(marker)}}
     cfg = _job(tmp_path, "stopped", inject=inject, ft={"every_n_train_steps": 4, "hang_timeout": 3})
-    outcome: dict[str, Any] = {}
-    job = threading.Thread(
-        target=lambda: outcome.update(r=launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=150))
-    )
-    job.start()
-    deadline = time.monotonic() + 90
-    while not marker.exists():
-        assert time.monotonic() < deadline and job.is_alive(), "the save of step 4 never started"
-        time.sleep(0.05)
-    os.kill(json.loads((tmp_path / "progress" / "progress1").read_text())[1], signal.SIGSTOP)
+    job, outcome = _launch_until_writing(cfg, marker, timeout=150)
+    os.kill(_pids(cfg)[1], signal.SIGSTOP)
     stopped = time.monotonic()
     job.join(timeout=160)
     result = outcome["r"]
@@ -453,17 +462,9 @@ def test_ctrl_c_during_a_synchronous_save_stops_the_run(tmp_path):
     marker = tmp_path / "writing"
     inject = {"slow_write": {"step": 4, "seconds": 120, "rank": -1, "marker": str(marker)}}
     cfg = _job(tmp_path, "ctrlc", inject=inject)
-    outcome: dict[str, Any] = {}
-    job = threading.Thread(
-        target=lambda: outcome.update(r=launch("fault_tolerant.py", cfg, nproc=2, expect_success=False, timeout=120))
-    )
-    job.start()
-    deadline = time.monotonic() + 90
-    while not marker.exists():
-        assert time.monotonic() < deadline and job.is_alive(), "the save of step 4 never started"
-        time.sleep(0.2)
+    job, outcome = _launch_until_writing(cfg, marker, timeout=120)
     started = time.monotonic()
-    pids = [json.loads((Path(cfg["out"]) / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
+    pids = _pids(cfg)
     for pid in pids:  # what a terminal's Ctrl-C does: SIGINT to every process of the job
         os.kill(pid, signal.SIGINT)
     job.join(timeout=100)

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 __all__ = [
     "LastCheckpointLookup",
     "attach_device_mesh",
-    "current_batch",
     "averaging_callbacks",
     "dump_checkpoint",
     "epoch_finished_at_restore",
@@ -92,13 +91,9 @@ def epoch_finished_at_restore(trainer: pl.Trainer) -> bool:
 
 
 def restored_batches(trainer: pl.Trainer) -> int:
-    """Batches of the restored epoch Lightning counts as trained (lightning 2.6.6: the epoch loop's progress)."""
+    """Batches of the epoch Lightning counts as started: at a restore, those trained; during a batch, its index + 1
+    (lightning 2.6.6: the epoch loop's progress)."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-
-
-def current_batch(trainer: pl.Trainer) -> int:
-    """The index, in its epoch, of the training batch being processed (lightning 2.6.6)."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) - 1
 
 
 def move_batch_counter(trainer: pl.Trainer, batches: int) -> None:

@@ -25,7 +25,6 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.optim import Optimizer
 
 from lightning_hybrid._lightning_compat import (
-    current_batch,
     epoch_finished_at_restore,
     move_batch_counter,
     restored_batches,
@@ -42,6 +41,7 @@ from lightning_hybrid.callbacks._world_change import (
     plan,
     restart_window,
     schedule_of,
+    set_accumulation,
 )
 
 __all__ = ["DataResume", "ShortWindow", "adapt_to_world"]
@@ -104,7 +104,7 @@ class ShortWindow:
     scale: Fraction
 
     def before_step(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
-        if current_batch(trainer) < self.first:
+        if restored_batches(trainer) - 1 < self.first:  # the batch being processed
             return
         for group in optimizer.param_groups:  # element-wise on what the optimizer steps (any ZeRO stage)
             for p in group["params"]:
@@ -218,10 +218,7 @@ def _kept_order(
         replicas = data_replicas(trainer)
         change = _plan(trainer, position, policy, replicas, samplers.kept_batch_size, keep_problem, resize_problem)
         if change is not None:
-            schedule = schedule_of(trainer)
-            if schedule is not None and change.factor != 1:
-                schedule.rescale_accumulation(change.factor)
-            trainer.accumulate_grad_batches = change.new.accumulation
+            set_accumulation(trainer, change, schedule_of(trainer))
             line = change.line(positioned=False)
     elif position.get("world") != trainer.world_size:
         what = (

@@ -38,6 +38,7 @@ __all__ = [
     "plan",
     "restart_window",
     "schedule_of",
+    "set_accumulation",
 ]
 
 OnWorldSizeChange = Literal["keep_global_batch", "keep_per_rank_batch", "refuse"]
@@ -266,9 +267,7 @@ def apply(
     Trainer's), the per-rank batch size of the loader whose sampler the callback owns, the epoch's end, the
     sampler's position (a window's start), and Lightning's batch counter of the resumed epoch in this world's
     batches. Returns a note when the uninterrupted run's epoch end cannot be kept."""
-    if schedule is not None and change.factor != 1:
-        schedule.rescale_accumulation(change.factor)
-    trainer.accumulate_grad_batches = change.new.accumulation
+    set_accumulation(trainer, change, schedule)
     if change.new.batch_size != change.loader_batch:
         samplers.resize(change.new.batch_size)
         recount_training_batches(trainer)  # restarts the iterator
@@ -284,6 +283,13 @@ def apply(
     elif not change.same_batches:
         move_batch_counter(trainer, change.batches())
     return note
+
+
+def set_accumulation(trainer: pl.Trainer, change: WorldPlan, schedule: RescalesAccumulation | None) -> None:
+    """The plan's accumulation: the schedule's (which sets the Trainer's) and the Trainer's."""
+    if schedule is not None and change.factor != 1:
+        schedule.rescale_accumulation(change.factor)
+    trainer.accumulate_grad_batches = change.new.accumulation
 
 
 def _take_window_again(

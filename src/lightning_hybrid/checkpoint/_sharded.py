@@ -94,7 +94,7 @@ def write_sharded(
         no_dist=not dist.is_initialized(),
     )
     if failed is not None:  # without meta.pt the folder is not whole: take its index away again
-        (path / ".metadata").unlink(missing_ok=True)
+        (path / DCP_METADATA).unlink(missing_ok=True)
         raise failed
     files.update(fs.written)
     return files
