@@ -227,12 +227,14 @@ def test_a_full_disk_on_one_rank_of_a_sharded_save_fails_that_checkpoint_on_ever
     ft = {"async_save": save == "async", "hang_timeout": 20}
     reference = _job(tmp_path, "reference", strategy=strategy, steps=6, ft=ft)
     launch("fault_tolerant.py", reference, nproc=2)
-    for rank in (1, 0):
-        cfg = _job(tmp_path, f"rank{rank}", strategy=strategy, steps=6, ft=ft)
-        cfg["inject"] = {"fail_write": {"step": 4, "rank": rank}}
+    # the rank's own file, on each rank; then DCP's data file on one rank, inside DCP's collective save (raised
+    # on every rank as DCP's CheckpointException, a BaseException)
+    for name, inject in (("rank1", "fail_write"), ("rank0", "fail_write"), ("dcp", "fail_dcp_write")):
+        cfg = _job(tmp_path, name, strategy=strategy, steps=6, ft=ft)
+        cfg["inject"] = {inject: {"step": 4, "rank": 0 if name == "rank0" else 1}}
         result = launch("fault_tolerant.py", cfg, nproc=2, timeout=120)
         assert "step-000000004 failed and is not marked complete" in result.output, result.output[-3000:]
-        assert "No space left on device (injected)" in result.output
+        assert "No space left on device (injected" in result.output
         root = Path(cfg["ft"]["dirpath"])
         assert not (root / "step-000000004").exists()
         assert (root / "step-000000006" / "manifest.json").exists()

@@ -10,6 +10,7 @@ Config keys (besides train_gpt's strategy/devices/steps/model/trainer):
         hang: the rank sleeps for an hour at the start of the batch after step k (first touching "marker")
         kill_in_write: SIGKILL the rank half-way through writing the checkpoint file of step k
         fail_write: every file write of checkpoint k raises OSError on that rank
+        fail_dcp_write: every DCP data file write of checkpoint k raises OSError on that rank (inside DCP's save)
         slow_write: every file write of checkpoint k on that rank first sleeps {"seconds": s}
         inf: one gradient element of that rank is set to inf in the window of step k+1
         signal_in_validation: send SIGTERM at validation batch {"batch": b} (sanity check included)
@@ -237,6 +238,20 @@ def _fail_write(spec: dict[str, Any]) -> None:
     CheckpointWriter.write_file = staticmethod(atomic_write)
 
 
+def _fail_dcp_write(spec: dict[str, Any]) -> None:
+    """Make DCP's own file writes of checkpoint ``step`` raise, as a full disk would (inside its collective save)."""
+    from lightning_hybrid.checkpoint._files import AtomicFileSystem
+
+    original = AtomicFileSystem.create_stream
+
+    def create_stream(self, path, mode):
+        if "w" in mode and f"step-{spec['step']:09d}" in str(path):
+            raise OSError(28, "No space left on device (injected into DCP)")
+        return original(self, path, mode)
+
+    AtomicFileSystem.create_stream = create_stream
+
+
 def _slow_write(spec: dict[str, Any]) -> None:
     """Make every file write of checkpoint ``step`` take ``seconds`` longer (a slow or congested filesystem)."""
     original = CheckpointWriter.write_file
@@ -261,6 +276,8 @@ def main(cfg: dict[str, Any]) -> None:
         _kill_in_write(inject["kill_in_write"])
     if _armed(inject.get("fail_write")):
         _fail_write(inject["fail_write"])
+    if _armed(inject.get("fail_dcp_write")):
+        _fail_dcp_write(inject["fail_dcp_write"])
     if _armed(inject.get("slow_write")):
         _slow_write(inject["slow_write"])
     L.seed_everything(cfg.get("seed", 0), workers=True)

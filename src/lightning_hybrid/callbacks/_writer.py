@@ -143,9 +143,10 @@ class CheckpointWriter:
                     files.update(
                         write_sharded(folder.path, tensors, meta, process_group=group, write_file=self.write_file)
                     )
+                except CheckpointException as exc:  # a BaseException: "except Exception" would let it through
+                    _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
+                    errors.append(f"{type(exc).__name__}: {exc}")
                 except Exception as exc:
-                    if isinstance(exc, CheckpointException):
-                        _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
                     errors.append(f"{type(exc).__name__}: {exc}")
             try:
                 files[rank_file(rank)] = self.write_file(folder.path / rank_file(rank), _saver(per_rank))
