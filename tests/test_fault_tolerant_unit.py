@@ -249,3 +249,66 @@ def test_watchdog_beat_within_a_step_refreshes_the_clock_without_adding_a_step_t
     dog.beat(1)  # a validation batch during fit: still step 1
     dog.beat(2)
     assert len(dog._durations) == 2
+
+
+_EXIT_WITH_A_THREAD_IN_NATIVE_CODE = """
+import sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
+
+class SlowFinaliser:  # finalisation that lasts: the store call below returns inside it
+    def __init__(self, seconds):
+        self.seconds = seconds
+    def __del__(self, _sleep=time.sleep):
+        _sleep(self.seconds)
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+wait_for_gloo_at_exit()  # as a fit sets up
+
+def heartbeat():  # the watchdog's store thread, in a call that has not returned when the rank exits
+    try:
+        store.wait(["never"], timedelta(seconds=3))
+    except Exception:
+        pass
+
+threading.Thread(target=heartbeat, name="lightning-hybrid-store", daemon=True).start()
+sys.slow_finaliser = SlowFinaliser(6)  # cleared by finalisation alone
+time.sleep(0.2)
+note_failed_fit(KeyboardInterrupt())  # what on_exception records when Ctrl-C ends the fit
+raise SystemExit(1)  # Lightning's exit after a KeyboardInterrupt
+"""
+
+
+def test_an_exit_with_a_pack_thread_in_native_code_leaves_with_the_fits_code_instead_of_sigabrt(tmp_path):
+    """A daemon thread of the pack inside a native call (a store heartbeat, a background checkpoint write in a
+    collective) when the rank exits: the call returned during finalisation, the thread took the GIL, CPython
+    ended it with ``pthread_exit`` and the unwind through C++ called ``std::terminate`` ("terminate called
+    without an active exception", SIGABRT: 4 of 98 Ctrl-Cs of the soak). Without the exit hook this script
+    aborts every time; with it the process leaves after 2 s with the failed fit's exit code."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_busy.py"
+    script.write_text(_EXIT_WITH_A_THREAD_IN_NATIVE_CODE)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "without finalising the interpreter: lightning-hybrid-store" in done.stderr
+    assert time.monotonic() - started < 6 + 3  # it did not wait for the heartbeat or the slow finalisation
+
+
+def test_each_engine_records_the_exit_code_of_a_failed_fit():
+    from lightning_hybrid import _torch_compat
+    from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy
+
+    for owner in (FaultTolerantCheckpoint(dirpath="unused"), HybridParallelStrategy(), DeepSpeedPipelineStrategy()):
+        for exception, code in ((KeyboardInterrupt(), 1), (SystemExit(75), 75), (ValueError("x"), 1)):
+            _torch_compat.wait_for_gloo_at_exit()  # a fit sets up: nothing recorded
+            assert _torch_compat._failed_fit_code is None
+            if isinstance(owner, FaultTolerantCheckpoint):
+                owner.on_exception(None, None, exception)
+            else:
+                owner.on_exception(exception)
+            assert _torch_compat._failed_fit_code == code, (type(owner).__name__, exception)

@@ -6,7 +6,11 @@ Each has a fallback, so a rename in a future release costs a detail, not a crash
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +26,7 @@ __all__ = [
     "grad_scaler_growth_tracker",
     "init_optimizer_state",
     "mul_",
+    "note_failed_fit",
     "post_accumulate_hooks",
     "tensor_hooks",
     "queue_backward_callback",
@@ -190,26 +195,75 @@ def wait_for_gloo_at_exit() -> None:
     leaving with a collective in flight must not hang), about 5 ms in a normal exit. Loggers, ``atexit``
     handlers and the exit code are untouched. Where ``/proc`` cannot tell (another OS, an unknown CPU) it
     only pauses 50 ms with the GIL released, which narrows the race without closing it."""
-    global _exit_wait_installed
+    global _exit_wait_installed, _failed_fit_code
+    _failed_fit_code = None  # called as a fit sets up: it has not failed
     if not _exit_wait_installed:
         atexit.register(_quiet_gloo)
         _exit_wait_installed = True
 
 
+_failed_fit_code: int | None = None  # the exit code of the latest fit that failed (note_failed_fit)
+_PACK_THREADS = "lightning-hybrid-"  # the prefix of every thread the pack starts
+
+
+def note_failed_fit(exception: BaseException | None) -> None:
+    """Record how the running fit ended for the exit hook: the code the process will exit with after
+    ``exception`` (Lightning's ``exit(1)`` after a KeyboardInterrupt, a ``SystemExit``'s own code, 1 for an
+    error), or ``None`` (a fit that starts, or ends normally)."""
+    global _failed_fit_code
+    if exception is None:
+        _failed_fit_code = None
+        return
+    code = exception.code if isinstance(exception, SystemExit) else 1
+    _failed_fit_code = code if isinstance(code, int) else (0 if code is None else 1)
+
+
 def _quiet_gloo(timeout: float = 2.0, settle: int = 3) -> None:
+    """The exit hook (see ``wait_for_gloo_at_exit``). A thread of the pack (a background checkpoint write in a
+    collective, a heartbeat in a store call) or a gloo worker still inside a collective after ``timeout``
+    would come back from native code during finalisation and abort the process the same way (4 of 98 Ctrl-Cs
+    of a soak): then the process leaves without finalising, with the exit code its failed fit had."""
     try:
         deadline, calm = time.monotonic() + timeout, 0
         while True:
+            busy = _busy_pack_threads()
             states = [_gloo_idle(tid) for tid in _gloo_workers()] if os.path.isdir("/proc/self/task") else [None]
-            if any(s is None for s in states):
+            if any(s is None for s in states) and not busy:
                 time.sleep(0.05)  # no insight: a pause with the GIL released is the best there is
                 return
-            calm = calm + 1 if all(states) else 0
-            if calm >= settle or time.monotonic() >= deadline:
+            calm = calm + 1 if all(states) and not busy else 0
+            if calm >= settle:
+                return
+            if time.monotonic() >= deadline:
+                if busy or (_failed_fit_code is not None and not all(states)):
+                    _leave_without_finalising(busy)
                 return
             time.sleep(0.002)  # the GIL is free: a worker waiting for it takes it now, while Python is whole
     except Exception:  # an exit hook never raises
         return
+
+
+def _busy_pack_threads() -> list[str]:
+    here = threading.current_thread()
+    return [
+        t.name for t in threading.enumerate() if t.name.startswith(_PACK_THREADS) and t is not here and t.is_alive()
+    ]
+
+
+def _leave_without_finalising(busy: list[str]) -> None:
+    """``os._exit`` with the failed fit's code (1 after an uncaught error, else 0), logs and streams flushed."""
+    code = _failed_fit_code
+    if code is None:
+        code = 1 if getattr(sys, "last_value", None) is not None else 0
+    logging.getLogger(__name__).warning(
+        f"exiting with code {code} without finalising the interpreter: {', '.join(busy) or 'a gloo collective'}"
+        " still in native code would abort it (std::terminate) when it returns"
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream
+            stream.flush()
+    os._exit(code)
 
 
 def _gloo_workers() -> list[str]:

@@ -29,7 +29,7 @@ from lightning_hybrid._elastic import prepare_elastic_restart
 from lightning_hybrid._lightning_compat import LastCheckpointLookup, grad_scaler
 from lightning_hybrid._protocols import ShardedCheckpointing, SkipsNonFiniteSteps, StepsInsideTrainingStep
 from lightning_hybrid._skip import skip_schedulers_when
-from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
+from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
 from lightning_hybrid._validate import check_bool, check_choice, check_int, check_number
 from lightning_hybrid.callbacks._actions import CheckpointActions, event
 from lightning_hybrid.callbacks._nan_policy import NanPolicy, NanPolicyName
@@ -391,6 +391,7 @@ class FaultTolerantCheckpoint(CheckpointActions, LastCheckpointLookup):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # no collective here: other ranks may be gone. An unfinished background write stays incomplete.
+        note_failed_fit(exception)  # the exit code, should a thread still in a collective keep the exit from finalising
         self._shutdown()
 
     @override

@@ -38,7 +38,7 @@ from lightning_hybrid._lightning_compat import (
     share_zero_grad,
     syncs_batchnorm,
 )
-from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
+from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
@@ -103,6 +103,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
     """
 
     strategy_name = "hybrid"
+    reads_pretrained_weights = True  # a module's ``pretrained_weights`` is its init_from when none is given
     engine_label = "torch"
 
     def __init__(
@@ -317,7 +318,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
             zero=self._zero_config,
             split=self._split,
             activation_checkpointing=self._activation_checkpointing,
-            init_from=self._init_from,
+            init_from=self._init_from or getattr(module, "pretrained_weights", None),
             agreed_seed=lambda: self.broadcast(int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))),
         )
         self.model = prepared.module
@@ -355,6 +356,11 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
     @staticmethod
     def _unwrap(optimizer: Union[Optimizer, LightningOptimizer]) -> Optimizer:
         return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        note_failed_fit(exception)  # the exit code, should a thread still in a collective keep the exit from finalising
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_hybrid._agree import agreed_problem, raise_agreed
 from lightning_hybrid._lightning_compat import is_mock_optimizer, process_group_backend, syncs_batchnorm
 from lightning_hybrid._skip import skip_schedulers_when
-from lightning_hybrid._torch_compat import wait_for_gloo_at_exit
+from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
 from lightning_hybrid.strategies._checks import agreed_setup
 from lightning_hybrid.strategies._layout import Layout, LayoutRequest
@@ -104,6 +104,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
     """
 
     strategy_name = "deepspeed_pipeline"
+    reads_pretrained_weights = True  # a module's ``pretrained_weights`` is its init_from when none is given
     engine_label = "deepspeed"
 
     def __init__(
@@ -270,7 +271,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             num_stages=self.layout.pipeline_parallel_size,
             stage=self.pipeline_rank,
             options=self._pipe,
-            init_from=self._init_from,
+            init_from=self._init_from or getattr(module, "pretrained_weights", None),
             loss_fn=self._loss,
             device=self.root_device,
         )
@@ -313,6 +314,11 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             # Lightning steps its LR schedulers after every step; DeepSpeed's fp16 skips some
             skip_schedulers_when(trainer, lambda: not engine.was_step_applied())
         return engine
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        note_failed_fit(exception)  # the exit code, should a thread still in a collective keep the exit from finalising
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
