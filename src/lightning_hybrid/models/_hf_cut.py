@@ -1,0 +1,203 @@
+"""A Hugging Face causal LM cut into pipeline blocks: ``[embedding, decoder layer x N, head]``, and its names.
+
+``transformers`` says how its decoder-only models are cut: ``config.base_model_pp_plan`` is ``embed_tokens ->
+layers -> norm`` (the tensors passed between them), then the model's ``lm_head``. Each block here takes and
+returns plain tensors, as the pipeline contract asks: ``(hidden, attention_mask)`` between blocks, the 2-D
+padding mask travelling with the hidden states, so that every decoder block builds the 4-D mask for its
+attention implementation with ``transformers``' own mask functions (the causal mask is never left to a
+default that differs between ``eager`` and ``sdpa``), and the rotary table from its position ids. Position
+ids are ``0..T-1`` for every row, as ``model(**batch)`` uses them without a cache (left padding included).
+
+The rotary module of each decoder block is kept out of the module tree (a parameter-free table, rebuilt from
+the config on the host): nothing to materialise, initialise or checkpoint when the model is built on the
+meta device.
+
+GPT-2 has no plan; its cut is ``[wte + wpe, GPT2Block x N, ln_f + lm_head]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["HFCut", "cut_causal_lm"]
+
+
+class TokenEmbedding(nn.Module):
+    """``embed_tokens`` (the family's own module: Gemma's scales its output)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        return self.embed_tokens(input_ids), attention_mask
+
+
+class DecoderBlock(nn.Module):
+    """One decoder layer with what the base model's forward gives it: its 4-D mask and rotary table."""
+
+    def __init__(self, layer: nn.Module, config: Any, rotary: nn.Module, sliding: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config = config
+        self._rotary = (rotary,)  # a tuple: not a submodule (host-side table, nothing to shard or save)
+        self._sliding = sliding
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        make_mask = create_sliding_window_causal_mask if self._sliding else create_causal_mask
+        mask = make_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=positions
+        )
+        rotary = self._rotary[0]
+        out = self.layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=rotary(hidden, positions),
+            use_cache=False,
+        )
+        return (out[0] if isinstance(out, tuple) else out), attention_mask
+
+
+class Head(nn.Module):
+    """The base model's final norm and the LM head: logits."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class GPT2Embedding(nn.Module):
+    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.drop(self.wte(input_ids) + self.wpe(positions)), attention_mask
+
+
+class GPT2Decoder(nn.Module):
+    def __init__(self, block: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.config = config
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=positions
+        )
+        out = self.block(hidden, None, mask, position_ids=positions, use_cache=False)
+        return (out[0] if isinstance(out, tuple) else out), attention_mask
+
+
+class GPT2Head(nn.Module):
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+@dataclass
+class HFCut:
+    """The blocks and how their names relate to the Hugging Face model's (``prefixes``: HF prefix -> the
+    blocks' prefixes, in ``self.layers``; a tied input embedding feeds two)."""
+
+    blocks: list[nn.Module]
+    prefixes: dict[str, list[str]]
+    init_weights: Callable[[nn.Module], None]
+
+
+def cut_causal_lm(model: nn.Module) -> HFCut:
+    """Cut a ``transformers`` causal LM into pipeline blocks (the model's own modules, not copies)."""
+    config = model.config
+    if getattr(config, "model_type", None) == "gpt2":
+        return _cut_gpt2(model)
+    plan = getattr(config, "base_model_pp_plan", None)
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    expected = ("embed_tokens", "layers", "norm")
+    if not plan or tuple(plan) != expected or base is None or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"CausalLM cannot cut {type(model).__name__}: its config has no base_model_pp_plan of the form"
+            f" embed_tokens -> layers -> norm (found {dict(plan) if plan else None}) or it has no lm_head. Families"
+            " with one (Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE, Phi-3, Gemma and others) and GPT-2 are"
+            " supported; for another model, write the blocks under the pipeline contract (README: the pipeline"
+            " contract) or use pipeline_parallel_size=1 with the model as it is."
+        )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"CausalLM does not add the router's auxiliary loss of {type(model).__name__} yet: set"
+            " output_router_logits=False in the config (the experts and router still train on the LM loss)."
+        )
+    rotary_cls = type(getattr(base, "rotary_emb", None))
+    if not hasattr(base, "rotary_emb"):
+        raise ValueError(f"CausalLM cannot cut {type(model).__name__}: its base model has no rotary_emb.")
+    with torch.device("cpu"):  # a host-side table, also when the model is built on the meta device
+        rotary = rotary_cls(config=config)
+    types = getattr(config, "layer_types", None)
+    n = len(base.layers)
+    head = n + 1
+    sliding = [
+        (types[i] == "sliding_attention") if types else getattr(config, "sliding_window", None) is not None
+        for i in range(n)
+    ]
+    blocks: list[nn.Module] = [TokenEmbedding(base.embed_tokens)]
+    blocks += [DecoderBlock(layer, config, rotary, sliding[i]) for i, layer in enumerate(base.layers)]
+    blocks.append(Head(base.norm, model.lm_head))
+    prefix = f"{model.base_model_prefix}."
+    prefixes = {
+        f"{prefix}embed_tokens.": ["layers.0.embed_tokens."],
+        **{f"{prefix}layers.{i}.": [f"layers.{i + 1}.layer."] for i in range(n)},
+        f"{prefix}norm.": [f"layers.{head}.norm."],
+        "lm_head.": [f"layers.{head}.lm_head."],
+    }
+    if model.lm_head.weight is base.embed_tokens.weight:
+        prefixes[f"{prefix}embed_tokens."].append(f"layers.{head}.lm_head.")
+        del prefixes["lm_head."]
+    return HFCut(blocks, prefixes, _init_fn(model))
+
+
+def _cut_gpt2(model: nn.Module) -> HFCut:
+    t, config = model.transformer, model.config
+    n = len(t.h)
+    head = n + 1
+    blocks: list[nn.Module] = [GPT2Embedding(t.wte, t.wpe, t.drop)]
+    blocks += [GPT2Decoder(block, config) for block in t.h]
+    blocks.append(GPT2Head(t.ln_f, model.lm_head))
+    prefixes = {
+        "transformer.wte.": ["layers.0.wte."],
+        "transformer.wpe.": ["layers.0.wpe."],
+        **{f"transformer.h.{i}.": [f"layers.{i + 1}.block."] for i in range(n)},
+        "transformer.ln_f.": [f"layers.{head}.ln_f."],
+        "lm_head.": [f"layers.{head}.lm_head."],
+    }
+    if model.lm_head.weight is t.wte.weight:
+        prefixes["transformer.wte."].append(f"layers.{head}.lm_head.")
+        del prefixes["lm_head."]
+    return HFCut(blocks, prefixes, _init_fn(model))
+
+
+def _init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The family's own ``_init_weights`` for one submodule, bound to a shell that holds only the config (the
+    cut must not keep the whole model alive: a pipeline stage frees the other stages' blocks)."""
+    cls = type(model)
+    shell = cls.__new__(cls)
+    object.__setattr__(shell, "config", model.config)
+    return lambda module: cls._init_weights(shell, module)

@@ -1,0 +1,212 @@
+"""``CausalLM``: any Hugging Face ``transformers`` causal LM as a LightningModule every layout can train.
+
+The model's own modules are regrouped into ``self.layers = [embedding, decoder layer x N, head]`` (see
+``_hf_cut``), so the pipeline contract holds without a rewrite; the loss is ``transformers``' causal-LM loss
+(labels shifted left, ``-100`` ignored) as a mean over the counted tokens of the whole global batch
+(``pipeline_loss_count``), which the strategies of this pack keep exact under any split into micro-batches,
+replicas and accumulation windows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.models._hf_cut import cut_causal_lm
+
+__all__ = ["CausalLM"]
+
+IGNORE_INDEX = -100  # transformers' ignore index for labels
+
+
+class CausalLM(pl.LightningModule):
+    """A ``transformers`` causal LM (Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE, Phi-3, GPT-2, ...) under the
+    pipeline contract, trained by ``HybridParallelStrategy``, ``DeepSpeedPipelineStrategy`` or any Lightning
+    strategy.
+
+    Args:
+        model: a ``save_pretrained`` folder (its config; its weights are read by the strategy, each rank its own
+            stages' tensors, or here under a strategy that does not read them), a ``PretrainedConfig`` (a new
+            model, initialised as ``AutoModelForCausalLM.from_config`` under the same seed), a dict of config
+            fields with ``model_type``, or a model instance.
+        attn_implementation: ``"eager"``, ``"sdpa"`` or ``"flex_attention"``; by default the config's.
+        lr, weight_decay: AdamW's, used when neither LightningCLI's ``optimizer:`` nor a subclass gives another.
+
+    Batches are dicts as ``transformers`` takes them: ``input_ids``, optional ``attention_mask`` (right or left
+    padding) and optional ``labels`` (``-100`` ignored; without them, ``input_ids`` where the mask is 1). A
+    tuple ``(input_ids, targets)`` is read as ids and their next tokens (already shifted).
+
+    Example::
+
+        model = CausalLM("path/to/llama")  # save_pretrained output
+        trainer = Trainer(strategy=HybridParallelStrategy(pipeline_parallel_size=2, zero_stage=1))
+        trainer.fit(model, train_dataloaders=loader)  # batches: {"input_ids", "attention_mask", "labels"}
+    """
+
+    def __init__(
+        self,
+        model: Union[str, os.PathLike, Mapping[str, Any], nn.Module, Any],
+        *,
+        attn_implementation: Union[str, None] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+        self.lr, self.weight_decay = lr, weight_decay
+        self.folder: Union[Path, None] = None
+        if isinstance(model, (str, os.PathLike)):
+            self.folder = Path(model)
+            if not (self.folder / "config.json").is_file():
+                raise ValueError(f"CausalLM: {self.folder} is not a save_pretrained folder (no config.json in it).")
+            model = AutoConfig.from_pretrained(self.folder)
+        elif isinstance(model, Mapping):
+            fields = dict(model)
+            model_type = fields.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("CausalLM: a config given as a dict needs its model_type (e.g. 'llama').")
+            model = AutoConfig.for_model(model_type, **fields)
+        if isinstance(model, PretrainedConfig):
+            config = model
+            config.use_cache = False
+            # a folder's weights are read later, by slice; tied embeddings cannot be built on the meta device
+            meta = self.folder is not None and not getattr(config, "tie_word_embeddings", False)
+            with torch.device("meta") if meta else _nothing():
+                hf = AutoModelForCausalLM.from_config(config, **_attn(attn_implementation))
+        elif isinstance(model, nn.Module) and hasattr(model, "config"):
+            hf = model
+            if attn_implementation is not None:
+                hf.set_attn_implementation(attn_implementation)
+            hf.config.use_cache = False
+        else:
+            raise ValueError(
+                "CausalLM(model=...) takes a save_pretrained folder, a PretrainedConfig, a dict of config fields or a"
+                f" transformers model; got {type(model).__name__}."
+            )
+        self.config = hf.config
+        cut = cut_causal_lm(hf)
+        self.layers = nn.Sequential(*cut.blocks)
+        self._prefixes = cut.prefixes
+        self._init_weights = cut.init_weights
+        self.save_hyperparameters(
+            {
+                "model": str(self.folder) if self.folder else self.config.to_dict(),
+                "lr": lr,
+                "weight_decay": weight_decay,
+            }
+        )
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    @property
+    def pretrained_weights(self) -> Union[PretrainedWeights, None]:
+        """The folder's weights with the key map from Hugging Face's names to ``self.layers``' (read by the
+        strategy as its ``init_from`` when it is given none); ``None`` for a model built from a config."""
+        if self.folder is None:
+            return None
+        return PretrainedWeights(self.folder, key_map=dict(self._prefixes))
+
+    def hf_state_dict_names(self) -> dict[str, str]:
+        """``self.layers``' parameter names -> the Hugging Face model's (a tied weight under its stored name)."""
+        out = {}
+        for name in self.state_dict():
+            for hf_prefix, targets in self._prefixes.items():
+                for ours in targets:
+                    if name.startswith(ours):
+                        out[name] = hf_prefix + name[len(ours) :]
+        return out
+
+    def init_block(self, name: str, block: nn.Module) -> None:
+        """Initialise a block built on the meta device with the family's own ``_init_weights``."""
+        for module in block.modules():
+            self._init_weights(module)
+
+    def configure_model(self) -> None:
+        """Under a strategy that does not read ``pretrained_weights`` itself, materialise and load them here."""
+        if self.folder is None or not any(p.is_meta for p in self.parameters()):
+            return
+        if getattr(self.trainer.strategy, "reads_pretrained_weights", False):
+            return  # the strategy reads each rank's part by slice (init_from)
+        from lightning_hybrid.checkpoint.pretrained import agreed_plan, load_pretrained
+
+        self.to_empty(device=self.trainer.strategy.root_device)
+        weights = self.pretrained_weights
+        assert weights is not None
+        source, plan = agreed_plan(weights, self, self.trainer.strategy.root_device)
+        read = load_pretrained(self, plan, source)
+        rank_zero_info(f"CausalLM: read {read / 2**20:.1f} MiB of weights from {self.folder}")
+
+    # ------------------------------------------------------------------------------------------ batches
+
+    def pipeline_batch(self, batch: Any) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """``((input_ids, attention_mask), targets)``: targets are the labels shifted left as transformers shifts
+        them (the last position of every row ignored)."""
+        if isinstance(batch, Mapping):
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else mask.to(ids.dtype)
+            labels = batch.get("labels")
+            if labels is None:
+                labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+            targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+            return (ids, mask), targets
+        ids, targets = batch[0], batch[1]
+        return (ids, torch.ones_like(ids)), targets
+
+    def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        """The mean cross-entropy over the counted (not ignored) targets, in fp32 as transformers computes it."""
+        total = F.cross_entropy(
+            output.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return total / self.pipeline_loss_count(target).clamp_min(1)
+
+    def pipeline_loss_count(self, target: Tensor) -> Tensor:
+        return (target != IGNORE_INDEX).sum()
+
+    # ------------------------------------------------------------------------------------------ Lightning
+
+    def forward(self, input_ids: Tensor, attention_mask: Union[Tensor, None] = None) -> Tensor:
+        """Logits, running the blocks in order (what a pipeline runs stage by stage)."""
+        x: Any = (input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+        for block in self.layers:
+            x = block(*x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_batch(batch)
+        return self.pipeline_loss(self(*inputs), target)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, target = self.pipeline_batch(batch)
+        loss = self.pipeline_loss(self(*inputs), target)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    def config_json(self) -> str:
+        return json.dumps(self.config.to_dict(), indent=2, sort_keys=True)
+
+
+def _attn(attn_implementation: Union[str, None]) -> dict[str, str]:
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -1,0 +1,196 @@
+"""``lightning_hybrid.models.CausalLM`` against ``transformers`` itself trained in one plain process.
+
+The reference is the Hugging Face model built by ``AutoModelForCausalLM.from_config`` under the same seed,
+trained with AdamW on the same global batches by ``model(**batch).loss`` (the mean over the global batch's
+counted tokens): padded rows (right and left), ``-100`` labels. Each layout's per-step losses must match
+the reference's within 1e-5, and its checkpoint, exported with ``export_pretrained`` and loaded by
+``from_pretrained``, the reference's weights within 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import launch
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from workers.causal_lm import PaddedRows
+from workers.common import GlobalBatchSampler
+
+from lightning_hybrid.models import CausalLM
+from lightning_hybrid.utilities.export_pretrained import export_pretrained
+
+SMALL = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+}  # fmt: skip
+FAMILIES = {
+    "llama": SMALL,
+    "qwen2": SMALL,
+    "mistral": {**SMALL, "sliding_window": 4},
+    "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt2": {
+        "vocab_size": 64,
+        "n_embd": 32,
+        "n_layer": 3,
+        "n_head": 4,
+        "n_positions": 64,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    },  # fmt: skip  (tied input and output embeddings)
+}
+STEPS, GLOBAL_BATCH, LR = 4, 8, 0.01
+
+
+def hf_config(family: str, attn: str) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, **FAMILIES[family])
+    config._attn_implementation = attn
+    return config
+
+
+def reference(family: str, attn: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """transformers alone: losses of each step and the final weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(family, attn))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    rows = PaddedRows()
+    losses = []
+    for ids in list(GlobalBatchSampler(len(rows), GLOBAL_BATCH, 0, 1))[:steps]:
+        batch = {k: torch.stack([rows[i][k] for i in ids]) for k in ("input_ids", "attention_mask", "labels")}
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _cfg(tmp: Path, family: str, attn: str, strategy: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {
+        "family": family, "config": FAMILIES[family], "attn": attn, "strategy": strategy, "steps": STEPS,
+        "lr": LR, "global_batch": GLOBAL_BATCH, "out": str(tmp / "out"), "save": str(tmp / "ckpt"), **extra,
+    }  # fmt: skip
+
+
+def _hybrid(**kwargs: Any) -> dict[str, Any]:
+    return {"name": "hybrid_class", "kwargs": kwargs}
+
+
+def _exported(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    export_pretrained(checkpoint, out)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    return model.state_dict()
+
+
+def _check(result, ref: tuple[list[float], dict[str, torch.Tensor]], checkpoint: Path, out: Path, nproc: int) -> None:
+    ref_losses, ref_weights = ref
+    for r in range(nproc):
+        losses = result.rank(r)["losses"]
+        assert len(losses) == len(ref_losses)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (r, losses, ref_losses)
+    weights = _exported(checkpoint, out)
+    assert weights.keys() == ref_weights.keys()
+    worst = max((weights[k] - ref_weights[k]).abs().max().item() for k in weights)
+    assert worst < 1e-4, worst
+
+
+CASES = {
+    "llama-pp2-1f1b-4mb-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, num_microbatches=4), 2),
+    "qwen2-dp2-zero3-sdpa": ("qwen2", "sdpa", _hybrid(zero_stage=3), 2),
+    "gpt2-tied-pp2": ("gpt2", "sdpa", _hybrid(pipeline_parallel_size=2, num_microbatches=2), 2),
+    "mistral-interleaved-4-stages": (
+        "mistral",
+        "sdpa",
+        _hybrid(pipeline_parallel_size=2, schedule="interleaved_1f1b", num_microbatches=2),
+        2,
+    ),
+    "llama-deepspeed-pp2": (
+        "llama",
+        "eager",
+        {"name": "deepspeed_class", "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2}},
+        2,
+    ),
+}
+SLOW_CASES = {
+    "mixtral-pp2-dp2-zero1": ("mixtral", "eager", _hybrid(pipeline_parallel_size=2, zero_stage=1), 4),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", [*CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)])
+def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
+    family, attn, strategy, nproc = {**CASES, **SLOW_CASES}[case]
+    cfg = _cfg(tmp_path, family, attn, strategy)
+    result = launch("causal_lm.py", cfg, nproc=nproc, timeout=300)
+    _check(result, reference(family, attn), Path(cfg["save"]), tmp_path / "exported", nproc)
+
+
+def test_every_family_gives_transformers_loss_and_initial_weights_in_one_process():
+    """Bitwise: the cut model's loss equals ``model(**batch).loss`` on padded batches (both attention
+    implementations), and ``CausalLM(config)`` starts from ``from_config``'s weights under the same seed."""
+    from transformers import AutoModelForCausalLM
+
+    rows = PaddedRows(n=8)
+    batch = {"input_ids": rows.ids, "attention_mask": rows.mask, "labels": rows.labels}
+    for family in FAMILIES:
+        for attn in ("eager", "sdpa"):
+            torch.manual_seed(1)
+            hf = AutoModelForCausalLM.from_config(hf_config(family, attn)).eval()
+            torch.manual_seed(1)
+            ours = CausalLM(hf_config(family, attn)).eval()
+            (ids, mask), target = ours.pipeline_batch(batch)
+            assert torch.equal(ours.pipeline_loss(ours(ids, mask), target), hf(**batch).loss), (family, attn)
+            names = ours.hf_state_dict_names()
+            theirs = hf.state_dict()
+            for name, value in ours.state_dict().items():
+                assert torch.equal(value, theirs[names[name]]), (family, name)
+            wrapped = CausalLM(copy.deepcopy(hf)).eval()
+            assert torch.equal(wrapped.pipeline_loss(wrapped(ids, mask), target), hf(**batch).loss)
+
+
+def test_a_model_without_a_pipeline_plan_is_refused_with_what_to_do():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                  num_attention_heads=4, word_embed_proj_dim=32)  # fmt: skip
+    with pytest.raises(ValueError, match=r"no base_model_pp_plan.*pipeline contract"):
+        CausalLM(config)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_pretrained_folder_round_trip_through_two_layouts_matches_transformers(tmp_path):
+    """save_pretrained -> CausalLM(folder), meta-built, at pp2 x dp2 ZeRO-2 -> 2 steps -> resume at dp2 ZeRO-1
+    -> 2 steps -> export_pretrained -> from_pretrained: each step's loss and the final weights as the reference."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config("mistral", "sdpa")).save_pretrained(tmp_path / "folder")
+    ref_losses, ref_weights = reference("mistral", "sdpa")
+    first = _cfg(tmp_path / "a", "mistral", "sdpa", _hybrid(pipeline_parallel_size=2, zero_stage=2),
+                 folder=str(tmp_path / "folder"), steps=2)  # fmt: skip
+    result = launch("causal_lm.py", first, nproc=4, timeout=300)
+    second = _cfg(tmp_path / "b", "mistral", "sdpa", _hybrid(zero_stage=1), folder=str(tmp_path / "folder"),
+                  resume=first["save"], skip=2)  # fmt: skip
+    resumed = launch("causal_lm.py", second, nproc=2, timeout=300)
+    for r in range(4):
+        assert max(abs(a - b) for a, b in zip(result.rank(r)["losses"], ref_losses[:2])) < 1e-5
+    for r in range(2):
+        assert max(abs(a - b) for a, b in zip(resumed.rank(r)["losses"], ref_losses[2:])) < 1e-5
+    weights = _exported(Path(second["save"]), tmp_path / "exported")
+    assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < 1e-4
