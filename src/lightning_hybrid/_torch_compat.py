@@ -195,34 +195,49 @@ def wait_for_gloo_at_exit() -> None:
     leaving with a collective in flight must not hang), about 5 ms in a normal exit. Loggers, ``atexit``
     handlers and the exit code are untouched. Where ``/proc`` cannot tell (another OS, an unknown CPU) it
     only pauses 50 ms with the GIL released, which narrows the race without closing it."""
-    global _exit_wait_installed, _failed_fit_code
-    _failed_fit_code = None  # called as a fit sets up: it has not failed
+    global _exit_wait_installed, _failed_fit
+    _failed_fit = None  # called as a fit sets up: it has not failed
     if not _exit_wait_installed:
         atexit.register(_quiet_gloo)
         _exit_wait_installed = True
 
 
-_failed_fit_code: int | None = None  # the exit code of the latest fit that failed (note_failed_fit)
+_failed_fit: tuple[int, float] | None = None  # (exit code, when) of a fit that is ending the process
 _PACK_THREADS = "lightning-hybrid-"  # the prefix of every thread the pack starts
+_RECENT_S = 120.0  # a process that ran on this long after the failed fit was not ended by it
 
 
 def note_failed_fit(exception: BaseException | None) -> None:
-    """Record how the running fit ended for the exit hook: the code the process will exit with after
-    ``exception`` (Lightning's ``exit(1)`` after a KeyboardInterrupt, a ``SystemExit``'s own code, 1 for an
-    error), or ``None`` (a fit that starts, or ends normally)."""
-    global _failed_fit_code
+    """Record, for the exit hook, a fit that ends the process: a KeyboardInterrupt (Lightning then calls
+    ``exit(1)``) or a ``SystemExit`` (the pack's preemption exits, 75 and 74), with the code the process exits
+    with. Any other exception reaches the user's script, which may catch it and go on: not recorded (an
+    uncaught one is seen at exit through ``sys.last_value``). ``None``: a fit starts."""
+    global _failed_fit
     if exception is None:
-        _failed_fit_code = None
-        return
-    code = exception.code if isinstance(exception, SystemExit) else 1
-    _failed_fit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        _failed_fit = None
+    elif isinstance(exception, KeyboardInterrupt):
+        _failed_fit = (1, time.monotonic())
+    elif isinstance(exception, SystemExit):
+        code = exception.code
+        _failed_fit = (code if isinstance(code, int) else (0 if code is None else 1), time.monotonic())
+
+
+def _exit_code() -> int | None:
+    """The code the process is exiting with, where the pack can tell: a recent failed fit's, or 1 after an
+    uncaught error; ``None`` when it cannot (then the hook never forces the exit)."""
+    if _failed_fit is not None and time.monotonic() - _failed_fit[1] < _RECENT_S:
+        return _failed_fit[0]
+    if getattr(sys, "last_value", None) is not None:
+        return 1
+    return None
 
 
 def _quiet_gloo(timeout: float = 2.0, settle: int = 3) -> None:
     """The exit hook (see ``wait_for_gloo_at_exit``). A thread of the pack (a background checkpoint write in a
     collective, a heartbeat in a store call) or a gloo worker still inside a collective after ``timeout``
     would come back from native code during finalisation and abort the process the same way (4 of 98 Ctrl-Cs
-    of a soak): then the process leaves without finalising, with the exit code its failed fit had."""
+    of a soak): then, when the process is ending because a fit failed (``_exit_code``), it leaves without
+    finalising, with that fit's exit code. Otherwise the exit goes on as before."""
     try:
         deadline, calm = time.monotonic() + timeout, 0
         while True:
@@ -235,8 +250,9 @@ def _quiet_gloo(timeout: float = 2.0, settle: int = 3) -> None:
             if calm >= settle:
                 return
             if time.monotonic() >= deadline:
-                if busy or (_failed_fit_code is not None and not all(states)):
-                    _leave_without_finalising(busy)
+                code = _exit_code()
+                if code is not None and (busy or not all(states)):
+                    _leave_without_finalising(busy, code)
                 return
             time.sleep(0.002)  # the GIL is free: a worker waiting for it takes it now, while Python is whole
     except Exception:  # an exit hook never raises
@@ -250,11 +266,9 @@ def _busy_pack_threads() -> list[str]:
     ]
 
 
-def _leave_without_finalising(busy: list[str]) -> None:
-    """``os._exit`` with the failed fit's code (1 after an uncaught error, else 0), logs and streams flushed."""
-    code = _failed_fit_code
-    if code is None:
-        code = 1 if getattr(sys, "last_value", None) is not None else 0
+def _leave_without_finalising(busy: list[str], code: int) -> None:
+    """``os._exit(code)``, logs and streams flushed (``atexit`` handlers registered before the pack's are
+    skipped: the price of not aborting)."""
     logging.getLogger(__name__).warning(
         f"exiting with code {code} without finalising the interpreter: {', '.join(busy) or 'a gloo collective'}"
         " still in native code would abort it (std::terminate) when it returns"

@@ -25,7 +25,7 @@ from lightning_hybrid.contract import contract_batch
 from lightning_hybrid.strategies._state import (
     align_added_groups,
 )
-from lightning_hybrid.strategies.pipeline.counted_loss import replicas_mean, weighted
+from lightning_hybrid.strategies.pipeline.counted_loss import weighted
 
 
 class HybridStep:
@@ -122,9 +122,8 @@ class HybridStep:
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def _weigh_by_count(self, output: Any, batch: Any) -> Any:
-        """No pipeline, a counted loss: the value is the micro-batch's counted mean over every replica (the same on
-        every rank, as a pipeline reports it); backward sees the rank's mean weighted by its count (Lightning's
-        division by the accumulation undone), corrected when the window closes."""
+        """No pipeline, a counted loss: the rank's mean stays the value (as under DDP); backward sees it weighted
+        by the batch's count (Lightning's division by the accumulation undone), corrected when the window closes."""
         counted, module = self._counted, self.lightning_module
         assert counted is not None and module is not None
         loss = output.get("loss") if isinstance(output, dict) else output
@@ -133,14 +132,13 @@ class HybridStep:
         n = counted.count(contract_batch(module, batch)[1])
         counted.agree_reference(n, self.layout.data_parallel_size, group=self.data_parallel_group)
         counted.window += n
-        value = replicas_mean(loss, n, self.data_parallel_group, self.root_device)
         if n == 0:
             # nothing counted on this rank (all padding): its mean is 0/0; it adds nothing to the window and
             # reports 0. The zero backpropagates zeros to one parameter, so Lightning's backward still runs
             anchor = next(p for p in module.parameters() if p.requires_grad)
-            loss = weighted((anchor.to_local() if isinstance(anchor, DTensor) else anchor).sum() * 0.0, 0.0, value)
+            loss = (anchor.to_local() if isinstance(anchor, DTensor) else anchor).sum() * 0.0
         else:
-            loss = weighted(loss, counted.weight(n) * module.trainer.accumulate_grad_batches, value)
+            loss = weighted(loss, counted.weight(n) * module.trainer.accumulate_grad_batches)
         return {**output, "loss": loss} if isinstance(output, dict) else loss
 
     @override

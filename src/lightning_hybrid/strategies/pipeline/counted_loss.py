@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["CountedLoss", "counted_loss", "replicas_mean", "weighted"]
+__all__ = ["CountedLoss", "counted_loss"]
 
 
 class CountedLoss:
@@ -82,20 +82,9 @@ def counted_loss(module: nn.Module, device: torch.device) -> CountedLoss | None:
     return CountedLoss(fn, device=device) if callable(fn) else None
 
 
-def weighted(loss: Tensor, weight: float, value: Tensor | None = None) -> Tensor:
-    """``loss`` (or ``value``) as a value, ``weight * loss`` for backward."""
-    if value is None:
-        return loss * weight - (loss * (weight - 1.0)).detach()
-    return loss * weight - (loss * weight - value.to(loss.dtype)).detach()
-
-
-def replicas_mean(mean: Tensor, n: float, group: dist.ProcessGroup | None, device: torch.device) -> Tensor:
-    """The counted mean of one micro-batch over every replica of ``group`` (``mean`` over ``n`` elements here):
-    the value each rank reports, identical everywhere (one 2-scalar all-reduce)."""
-    both = torch.tensor([float(mean.detach()) * n if n else 0.0, n], dtype=torch.float64, device=_comm(device, group))
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(both, group=group)
-    return (both[0] / both[1].clamp_min(1.0)).float().to(mean.device)
+def weighted(loss: Tensor, weight: float) -> Tensor:
+    """``loss`` as a value, ``weight * loss`` for backward."""
+    return loss * weight - (loss * (weight - 1.0)).detach()
 
 
 def _comm(device: torch.device, group: dist.ProcessGroup | None) -> torch.device:
