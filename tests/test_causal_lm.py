@@ -31,6 +31,15 @@ SMALL = {
 }  # fmt: skip
 FAMILIES = {
     "llama": SMALL,
+    "gemma": {**SMALL, "head_dim": 8},  # its embedding scales by sqrt(hidden) (a buffer outside the state_dict)
+    "phi3": {**SMALL, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2_moe": {
+        **SMALL,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+    },
     "qwen2": SMALL,
     "mistral": {**SMALL, "sliding_window": 4},
     "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
@@ -77,6 +86,12 @@ def reference(family: str, attn: str, steps: int = STEPS) -> tuple[list[float], 
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def reference_model(family: str, attn: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_config(family, attn))
+
+
 def _cfg(tmp: Path, family: str, attn: str, strategy: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
         "family": family, "config": FAMILIES[family], "attn": attn, "strategy": strategy, "steps": STEPS,
@@ -109,6 +124,7 @@ def _check(result, ref: tuple[list[float], dict[str, torch.Tensor]], checkpoint:
     assert worst < 1e-4, worst
 
 
+FROM_FOLDER = {"llama-pp2-1f1b-4mb-eager", "qwen2-dp2-zero3-sdpa"}  # meta-built; each rank reads its part
 CASES = {
     "llama-pp2-1f1b-4mb-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, num_microbatches=4), 2),
     "qwen2-dp2-zero3-sdpa": ("qwen2", "sdpa", _hybrid(zero_stage=3), 2),
@@ -135,9 +151,29 @@ SLOW_CASES = {
 @pytest.mark.parametrize("case", [*CASES, *(pytest.param(case, marks=pytest.mark.slow) for case in SLOW_CASES)])
 def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
     family, attn, strategy, nproc = {**CASES, **SLOW_CASES}[case]
-    cfg = _cfg(tmp_path, family, attn, strategy)
+    extra = {}
+    if case in FROM_FOLDER:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)  # the reference's initial weights
+        AutoModelForCausalLM.from_config(hf_config(family, attn)).save_pretrained(tmp_path / "folder")
+        extra["folder"] = str(tmp_path / "folder")
+    cfg = _cfg(tmp_path, family, attn, strategy, **extra)
     result = launch("causal_lm.py", cfg, nproc=nproc, timeout=300)
     _check(result, reference(family, attn), Path(cfg["save"]), tmp_path / "exported", nproc)
+    if "pipeline_parallel_size" in strategy.get("kwargs", {}) and strategy["name"] == "hybrid_class":
+        # what Lightning's summary cannot show under a pipeline: each stage's blocks and the whole model's count
+        n = sum(p.numel() for p in reference_model(family, attn).parameters())
+        assert f"pipeline stages of CausalLM: {n / 1e3:.1f} K parameters" in result.output, result.output[-3000:]
+        assert "  stage 1: blocks " in result.output
+    if case in FROM_FOLDER:  # each rank read its stage's tensors (pp2) or its rows (ZeRO-3): the file once
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "folder" / "model.safetensors"), "pt") as f:
+            file_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())  # noqa: SIM118
+        read = [result.rank(r)["read"] for r in range(nproc)]
+        assert all(0 < r < 0.8 * file_bytes for r in read), (read, file_bytes)
+        assert abs(sum(read) - file_bytes) <= 0.1 * file_bytes, (read, file_bytes)
 
 
 def test_every_family_gives_transformers_loss_and_initial_weights_in_one_process():
@@ -163,13 +199,32 @@ def test_every_family_gives_transformers_loss_and_initial_weights_in_one_process
             assert torch.equal(wrapped.pipeline_loss(wrapped(ids, mask), target), hf(**batch).loss)
 
 
-def test_a_model_without_a_pipeline_plan_is_refused_with_what_to_do():
+def test_families_not_checked_against_transformers_are_refused_with_what_to_do():
+    """OPT has no pipeline plan; Gemma2 has one, but soft-caps its logits outside the layers: a cut would
+    train another model, silently."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("opt", vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
-                                  num_attention_heads=4, word_embed_proj_dim=32)  # fmt: skip
-    with pytest.raises(ValueError, match=r"no base_model_pp_plan.*pipeline contract"):
-        CausalLM(config)
+    small = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    for family, extra in (("opt", {"ffn_dim": 64, "word_embed_proj_dim": 32}), ("gemma2", {"head_dim": 8})):
+        with pytest.raises(ValueError, match=rf"model_type='{family}'.*gemma, gpt2, llama.*pipeline contract"):
+            CausalLM(AutoConfig.for_model(family, **small, **extra))
+
+
+def test_batch_keys_it_would_ignore_are_refused():
+    model = CausalLM(hf_config("llama", "sdpa"))
+    rows = PaddedRows(n=2)
+    batch = {"input_ids": rows.ids, "attention_mask": rows.mask, "position_ids": rows.mask.cumsum(-1)}
+    with pytest.raises(ValueError, match=r"also has \['position_ids'\].*packed"):
+        model.pipeline_batch(batch)
+
+
+def test_a_causal_lm_pickles_and_reloads_its_own_checkpoint(tmp_path):
+    import pickle
+
+    model = CausalLM(hf_config("gpt2", "eager"), attn_implementation="eager")
+    clone = pickle.loads(pickle.dumps(model))  # ddp_spawn and torch.save(model) pickle the module
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), clone.state_dict().values()))
+    assert clone.hparams.attn_implementation == "eager"
 
 
 @pytest.mark.multiproc
@@ -194,3 +249,48 @@ def test_a_pretrained_folder_round_trip_through_two_layouts_matches_transformers
         assert max(abs(a - b) for a, b in zip(resumed.rank(r)["losses"], ref_losses[2:])) < 1e-5
     weights = _exported(Path(second["save"]), tmp_path / "exported")
     assert max((weights[k] - ref_weights[k]).abs().max().item() for k in weights) < 1e-4
+
+
+def _fit_one_process(model: CausalLM, steps: int) -> list[float]:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader
+
+    losses: list[float] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            losses.append(float(outputs["loss"]))
+
+    rows = PaddedRows()
+    loader = DataLoader(rows, batch_sampler=GlobalBatchSampler(len(rows), GLOBAL_BATCH, 0, 1))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])  # fmt: skip
+    trainer.fit(model, train_dataloaders=loader)
+    return losses
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma"])  # meta-built; tied (built on the host); a buffer
+def test_a_folder_under_a_plain_lightning_strategy_loads_its_weights_and_trains_as_transformers(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config(family, "sdpa")).save_pretrained(tmp_path / "folder")
+    torch.manual_seed(123)  # another seed: only the folder's weights can give the reference's losses
+    model = CausalLM(tmp_path / "folder", attn_implementation="sdpa", lr=LR)
+    losses = _fit_one_process(model, 2)
+    ref_losses, _ = reference(family, "sdpa", steps=2)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+
+
+def test_a_folder_whose_weights_do_not_fit_its_config_is_refused_with_the_tensor_named(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(hf_config("llama", "sdpa")).save_pretrained(tmp_path / "folder")
+    config = json.loads((tmp_path / "folder" / "config.json").read_text())
+    config["intermediate_size"] = 48  # the MLP's weights in the file are 64 wide
+    (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight"):
+        _fit_one_process(CausalLM(tmp_path / "folder", lr=LR), 1)

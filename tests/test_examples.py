@@ -11,9 +11,9 @@ import yaml
 from helpers import ROOT, child_env
 
 
-def _main_job(config, *args: str) -> str:
+def _main_job(config, *args: str, script: str = "examples/gpt.py") -> str:
     cmd = [
-        sys.executable, "examples/gpt.py", "fit", "--config", str(config),
+        sys.executable, script, "fit", "--config", str(config),
         "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", *args,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
@@ -46,3 +46,55 @@ def test_main_job_config_trains_checkpoints_and_resumes(tmp_path):
     out = _main_job(path, "--trainer.max_steps=23", f"--trainer.default_root_dir={tmp_path}")
     assert f"resumed from      {tmp_path / 'checkpoints/step-000000020'}" in out
     assert "optimizer steps   23" in out
+
+
+def _llama_job(config: dict, tmp_path, *args: str) -> str:
+    path = tmp_path / "llama.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return _main_job(
+        path, f"--export_dir={tmp_path / 'hf'}", f"--trainer.default_root_dir={tmp_path}", *args,
+        script="examples/causal_lm.py",
+    )  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_llama_example_trains_a_transformers_model_and_exports_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = yaml.safe_load((ROOT / "examples/configs/llama.yaml").read_text())
+    out = _llama_job(config, tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=3")
+    assert f"exported {tmp_path / 'hf'}" in out
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 4
+
+
+@pytest.mark.multiproc
+def test_init_from_written_in_yaml_with_a_key_map_reaches_the_strategy_as_weights(tmp_path):
+    """LightningCLI's parser builds ``PretrainedWeights`` (class_path, init_args, a key map) for the strategy:
+    with no step taken, the exported model is the folder's own, bitwise."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = yaml.safe_load((ROOT / "examples/configs/llama.yaml").read_text())
+    fields = dict(config["model"]["model"])
+    torch.manual_seed(7)
+    source = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    source.save_pretrained(tmp_path / "folder")
+    n = source.config.num_hidden_layers
+    key_map = {
+        "model.embed_tokens.": "layers.0.embed_tokens.",
+        **{f"model.layers.{i}.": f"layers.{i + 1}.layer." for i in range(n)},
+        "model.norm.": f"layers.{n + 1}.norm.",
+        "lm_head.": f"layers.{n + 1}.lm_head.",
+    }
+    strategy = config["trainer"]["strategy"]["init_args"]
+    strategy["init_from"] = {
+        "class_path": "lightning_hybrid.strategies.PretrainedWeights",
+        "init_args": {"path": str(tmp_path / "folder"), "key_map": key_map},
+    }
+    config["trainer"]["devices"] = 2  # pp2
+    _llama_job(config, tmp_path, "--trainer.max_steps=0")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for name, value in source.state_dict().items():
+        assert torch.equal(exported[name], value), name

@@ -64,7 +64,16 @@ class Losses(Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        loss = float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+        layout = getattr(trainer.strategy, "layout", None)
+        if getattr(layout, "pipeline_parallel_size", 1) == 1 and torch.distributed.is_initialized():
+            # without a pipeline each rank reports its own batch's mean (as under DDP): the global batch's mean
+            # over its counted tokens, computed here
+            n = float((pl_module.pipeline_batch(batch)[1] != -100).sum())
+            both = torch.tensor([loss * n, n], dtype=torch.float64)
+            torch.distributed.all_reduce(both)
+            loss = float(both[0] / both[1])
+        self.losses.append(loss)
 
 
 def build(cfg: dict[str, Any]) -> CausalLM:
@@ -95,7 +104,8 @@ def main(cfg: dict[str, Any]) -> None:
     trainer.fit(model, datamodule=Data(cfg["global_batch"], cfg.get("skip", 0)), ckpt_path=cfg.get("resume"))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
-    write_report(cfg["out"], {"rank": rank(), "losses": losses.losses, "step": trainer.global_step})
+    read = getattr(trainer.strategy, "pretrained_bytes_read", None)
+    write_report(cfg["out"], {"rank": rank(), "losses": losses.losses, "step": trainer.global_step, "read": read})
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import fnmatch
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,7 @@ __all__ = [
     "WeightsPlan",
     "agreed_load",
     "agreed_plan",
+    "as_pretrained_weights",
     "load_pretrained",
     "open_weights",
     "plan_pretrained",
@@ -112,6 +113,26 @@ class PretrainedWeights:
 
     def ignored(self, key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in self.ignore)
+
+
+def as_pretrained_weights(init_from: Any) -> Union[PretrainedWeights, None]:
+    """``init_from`` as given to a strategy: a path, a :class:`PretrainedWeights`, or its fields as a dict (with
+    or without LightningCLI's ``class_path``/``init_args``), as YAML gives it."""
+    if init_from is None or isinstance(init_from, PretrainedWeights):
+        return init_from
+    if isinstance(init_from, Mapping):
+        fields = dict(init_from)
+        if "class_path" in fields:
+            if str(fields["class_path"]).rsplit(".", 1)[-1] != "PretrainedWeights":
+                raise ValueError(f"init_from names {fields['class_path']!r}; it takes PretrainedWeights or a path.")
+            fields = dict(fields.get("init_args") or {})
+        unknown = set(fields) - {"path", "key_map", "ignore"}
+        if unknown or "path" not in fields:
+            raise ValueError(
+                f"init_from as a dict takes PretrainedWeights' fields path, key_map and ignore; got {sorted(fields)}."
+            )
+        return PretrainedWeights(**fields)
+    return PretrainedWeights(init_from)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 ``transformers`` says how its decoder-only models are cut: ``config.base_model_pp_plan`` is ``embed_tokens ->
 layers -> norm`` (the tensors passed between them), then the model's ``lm_head``. Each block here takes and
-returns plain tensors, as the pipeline contract asks: ``(hidden, attention_mask)`` between blocks, the 2-D
+returns plain tensors, as the pipeline contract asks: the first takes ``input_ids`` (and the batch's
+``attention_mask``, all ones without one), then ``(hidden, attention_mask)`` pass between blocks, the 2-D
 padding mask travelling with the hidden states, so that every decoder block builds the 4-D mask for its
 attention implementation with ``transformers``' own mask functions (the causal mask is never left to a
 default that differs between ``eager`` and ``sdpa``), and the rotary table from its position ids. Position
@@ -24,7 +25,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["HFCut", "cut_causal_lm"]
+__all__ = ["FAMILIES", "HFCut", "cut_causal_lm"]
+
+# The families whose base model's forward does nothing outside embed_tokens -> layers -> norm -> lm_head beyond
+# what the blocks here rebuild (checked against ``model(**batch).loss`` in the tests), and how each picks a
+# decoder layer's mask: always causal, sliding when ``config.sliding_window`` is set, or by ``layer_types``.
+# Others (logit soft-capping, logit or embedding multipliers, per-layer rotary tables, linear attention) would
+# train something else than the model: refused until checked.
+FAMILIES = {
+    "llama": "causal",
+    "gemma": "causal",
+    "qwen2": "layer_types",
+    "qwen2_moe": "layer_types",
+    "mistral": "sliding_window",
+    "mixtral": "sliding_window",
+    "phi3": "sliding_window",
+}
 
 
 class TokenEmbedding(nn.Module):
@@ -34,8 +50,8 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-        return self.embed_tokens(input_ids), attention_mask
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self.embed_tokens(input_ids), _mask(input_ids, attention_mask)
 
 
 class DecoderBlock(nn.Module):
@@ -84,9 +100,9 @@ class GPT2Embedding(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.drop(self.wte(input_ids) + self.wpe(positions)), attention_mask
+        return self.drop(self.wte(input_ids) + self.wpe(positions)), _mask(input_ids, attention_mask)
 
 
 class GPT2Decoder(nn.Module):
@@ -115,6 +131,11 @@ class GPT2Head(nn.Module):
         return self.lm_head(self.ln_f(hidden))
 
 
+def _mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """The padding mask that travels with the hidden states: all ones when the batch has none."""
+    return torch.ones_like(input_ids) if attention_mask is None else attention_mask
+
+
 @dataclass
 class HFCut:
     """The blocks and how their names relate to the Hugging Face model's (``prefixes``: HF prefix -> the
@@ -128,8 +149,17 @@ class HFCut:
 def cut_causal_lm(model: nn.Module) -> HFCut:
     """Cut a ``transformers`` causal LM into pipeline blocks (the model's own modules, not copies)."""
     config = model.config
-    if getattr(config, "model_type", None) == "gpt2":
+    family = getattr(config, "model_type", None)
+    if family == "gpt2":
         return _cut_gpt2(model)
+    if family not in FAMILIES:
+        raise ValueError(
+            f"CausalLM has not been checked against transformers for model_type={family!r}: the families whose"
+            f" loss it reproduces exactly are {', '.join(sorted([*FAMILIES, 'gpt2']))}. Other families may do work"
+            " outside their decoder layers (logit soft-capping, logit or embedding multipliers, per-layer rotary"
+            " tables) that the cut would drop. Write the blocks under the pipeline contract (README: the pipeline"
+            " contract), or use pipeline_parallel_size=1 with the model as it is."
+        )
     plan = getattr(config, "base_model_pp_plan", None)
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     expected = ("embed_tokens", "layers", "norm")
@@ -151,13 +181,9 @@ def cut_causal_lm(model: nn.Module) -> HFCut:
         raise ValueError(f"CausalLM cannot cut {type(model).__name__}: its base model has no rotary_emb.")
     with torch.device("cpu"):  # a host-side table, also when the model is built on the meta device
         rotary = rotary_cls(config=config)
-    types = getattr(config, "layer_types", None)
     n = len(base.layers)
     head = n + 1
-    sliding = [
-        (types[i] == "sliding_attention") if types else getattr(config, "sliding_window", None) is not None
-        for i in range(n)
-    ]
+    sliding = _sliding_layers(config, FAMILIES[family], n)
     blocks: list[nn.Module] = [TokenEmbedding(base.embed_tokens)]
     blocks += [DecoderBlock(layer, config, rotary, sliding[i]) for i, layer in enumerate(base.layers)]
     blocks.append(Head(base.norm, model.lm_head))
@@ -168,10 +194,24 @@ def cut_causal_lm(model: nn.Module) -> HFCut:
         f"{prefix}norm.": [f"layers.{head}.norm."],
         "lm_head.": [f"layers.{head}.lm_head."],
     }
-    if model.lm_head.weight is base.embed_tokens.weight:
+    if model.lm_head.weight is base.embed_tokens.weight:  # a folder may also store lm_head.weight: the same values
         prefixes[f"{prefix}embed_tokens."].append(f"layers.{head}.lm_head.")
-        del prefixes["lm_head."]
-    return HFCut(blocks, prefixes, _init_fn(model))
+    return HFCut(blocks, prefixes, FamilyInit(model))
+
+
+def _sliding_layers(config: Any, rule: str, n: int) -> list[bool]:
+    """Which decoder layers attend through a sliding window, as the family's own forward decides."""
+    if rule == "causal":
+        return [False] * n
+    if rule == "sliding_window":
+        return [getattr(config, "sliding_window", None) is not None] * n
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(
+            f"CausalLM: layer_types {unknown} of {config.model_type} are not supported (full and sliding)."
+        )
+    return [t == "sliding_attention" for t in types[:n]]
 
 
 def _cut_gpt2(model: nn.Module) -> HFCut:
@@ -190,14 +230,17 @@ def _cut_gpt2(model: nn.Module) -> HFCut:
     }
     if model.lm_head.weight is t.wte.weight:
         prefixes["transformer.wte."].append(f"layers.{head}.lm_head.")
-        del prefixes["lm_head."]
-    return HFCut(blocks, prefixes, _init_fn(model))
+    return HFCut(blocks, prefixes, FamilyInit(model))
 
 
-def _init_fn(model: nn.Module) -> Callable[[nn.Module], None]:
-    """The family's own ``_init_weights`` for one submodule, bound to a shell that holds only the config (the
-    cut must not keep the whole model alive: a pipeline stage frees the other stages' blocks)."""
-    cls = type(model)
-    shell = cls.__new__(cls)
-    object.__setattr__(shell, "config", model.config)
-    return lambda module: cls._init_weights(shell, module)
+class FamilyInit:
+    """The family's own ``_init_weights`` for one submodule, called on a shell that holds only the config (the
+    cut must not keep the whole model alive: a pipeline stage frees the other stages' blocks). Picklable."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.cls, self.config = type(model), model.config
+
+    def __call__(self, module: nn.Module) -> None:
+        shell = self.cls.__new__(self.cls)
+        object.__setattr__(shell, "config", self.config)
+        self.cls._init_weights(shell, module)

@@ -55,7 +55,7 @@ class CausalLM(pl.LightningModule):
 
     def __init__(
         self,
-        model: Union[str, os.PathLike, Mapping[str, Any], nn.Module, Any],
+        model: Union[dict[str, Any], str, os.PathLike, Any],  # a dict first: LightningCLI's YAML gives one
         *,
         attn_implementation: Union[str, None] = None,
         lr: float = 3e-4,
@@ -82,8 +82,10 @@ class CausalLM(pl.LightningModule):
             config.use_cache = False
             # a folder's weights are read later, by slice; tied embeddings cannot be built on the meta device
             meta = self.folder is not None and not getattr(config, "tie_word_embeddings", False)
-            with torch.device("meta") if meta else _nothing():
-                hf = AutoModelForCausalLM.from_config(config, **_attn(attn_implementation))
+            with torch.device("meta") if meta else _nothing():  # fp32 parameters whatever the folder stores
+                hf = AutoModelForCausalLM.from_config(
+                    config, dtype=torch.get_default_dtype(), **_attn(attn_implementation)
+                )
         elif isinstance(model, nn.Module) and hasattr(model, "config"):
             hf = model
             if attn_implementation is not None:
@@ -99,9 +101,11 @@ class CausalLM(pl.LightningModule):
         self.layers = nn.Sequential(*cut.blocks)
         self._prefixes = cut.prefixes
         self._init_weights = cut.init_weights
+        self._weights_loaded = self.folder is None  # a folder's weights: read by the strategy or configure_model
         self.save_hyperparameters(
             {
                 "model": str(self.folder) if self.folder else self.config.to_dict(),
+                "attn_implementation": attn_implementation,
                 "lr": lr,
                 "weight_decay": weight_decay,
             }
@@ -133,18 +137,29 @@ class CausalLM(pl.LightningModule):
             self._init_weights(module)
 
     def configure_model(self) -> None:
-        """Under a strategy that does not read ``pretrained_weights`` itself, materialise and load them here."""
-        if self.folder is None or not any(p.is_meta for p in self.parameters()):
+        """Under a strategy that does not read ``pretrained_weights`` itself, materialise and load them here;
+        outside a Trainer (``load_from_checkpoint``), materialise on the host for the checkpoint to fill."""
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer
+            trainer = None
+        if trainer is not None and getattr(trainer.strategy, "reads_pretrained_weights", False):
+            self._weights_loaded = True  # the strategy reads each rank's part by slice (init_from)
             return
-        if getattr(self.trainer.strategy, "reads_pretrained_weights", False):
-            return  # the strategy reads each rank's part by slice (init_from)
+        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
+            self.to_empty(device=device)
+            for name, block in self.layers.named_children():
+                self.init_block(f"layers.{name}", block)  # buffers outside the state_dict (Gemma's embed_scale)
+        if self._weights_loaded or trainer is None:
+            return
         from lightning_hybrid.checkpoint.pretrained import agreed_plan, load_pretrained
 
-        self.to_empty(device=self.trainer.strategy.root_device)
         weights = self.pretrained_weights
         assert weights is not None
-        source, plan = agreed_plan(weights, self, self.trainer.strategy.root_device)
+        source, plan = agreed_plan(weights, self, device)
         read = load_pretrained(self, plan, source)
+        self._weights_loaded = True
         rank_zero_info(f"CausalLM: read {read / 2**20:.1f} MiB of weights from {self.folder}")
 
     # ------------------------------------------------------------------------------------------ batches
@@ -153,6 +168,13 @@ class CausalLM(pl.LightningModule):
         """``((input_ids, attention_mask), targets)``: targets are the labels shifted left as transformers shifts
         them (the last position of every row ignored)."""
         if isinstance(batch, Mapping):
+            unknown = sorted(set(batch) - {"input_ids", "attention_mask", "labels"})
+            if unknown:
+                raise ValueError(
+                    f"CausalLM takes batches with input_ids, attention_mask and labels; this one also has {unknown},"
+                    " which it would ignore (position_ids of packed sequences would let attention cross documents)."
+                    " Drop those keys, or pad the sequences instead of packing them."
+                )
             ids = batch["input_ids"]
             mask = batch.get("attention_mask")
             mask = torch.ones_like(ids) if mask is None else mask.to(ids.dtype)
@@ -188,9 +210,16 @@ class CausalLM(pl.LightningModule):
         return self.pipeline_loss(self(*inputs), target)
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._evaluate(batch, "val_loss")
+
+    def test_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._evaluate(batch, "test_loss")
+
+    def _evaluate(self, batch: Any, name: str) -> Tensor:
+        """Without a pipeline (under one, the strategy runs the schedule and logs ``name`` itself)."""
         inputs, target = self.pipeline_batch(batch)
         loss = self.pipeline_loss(self(*inputs), target)
-        self.log("val_loss", loss, sync_dist=True)
+        self.log(name, loss, sync_dist=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

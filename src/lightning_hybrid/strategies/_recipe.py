@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,7 +28,7 @@ from lightning_hybrid.strategies._materialize import has_meta_tensors, materiali
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
-from lightning_hybrid.strategies.pipeline.split import split_module, stage_ranges
+from lightning_hybrid.strategies.pipeline.split import describe_stages, split_module, stage_ranges
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
 from lightning_hybrid.strategies.zero.config import ZeroConfig
@@ -110,7 +111,9 @@ def prepare_module(
     loss_scaling = None
     if pipelined:
         loss_scaling = pipeline_loss_scaling(precision_plugin)
-        check_ties(ties, stage_ranges(module, layout, split), layout, zero, unit_plan)  # before the module is cut
+        every_stage = stage_ranges(module, layout, split)
+        check_ties(ties, every_stage, layout, zero, unit_plan)  # before the module is cut
+        rank_zero_info(describe_stages(module, every_stage))  # Lightning's summary sees one stage
         stage_ids, stages, ranges = split_module(
             module, layout=layout, pp_rank=pp_rank, split=split, activation_checkpointing=activation_checkpointing
         )

@@ -39,7 +39,7 @@ from lightning_hybrid._lightning_compat import (
     syncs_batchnorm,
 )
 from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
-from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, as_pretrained_weights
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
@@ -118,7 +118,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         split: Union[PipelineSplit, None] = None,
         activation_checkpointing: bool = False,
         zero: Union[ZeroConfig, None] = None,
-        init_from: Union[str, os.PathLike, PretrainedWeights, None] = None,
+        # PretrainedWeights first and a dict beside it: LightningCLI's parser then builds the object from YAML
+        init_from: Union[PretrainedWeights, dict[str, Any], str, os.PathLike, None] = None,
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -144,8 +145,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         if zero is not None and not isinstance(zero, ZeroConfig):
             raise ValueError(f"zero must be a ZeroConfig(...), got {zero!r}.")
         self._zero_config = zero or ZeroConfig()
-        if init_from is not None and not isinstance(init_from, PretrainedWeights):
-            init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
+        init_from = as_pretrained_weights(init_from)  # raises a ValueError naming what is wrong
         self._init_from: Union[PretrainedWeights, None] = init_from
         self._pretrained_bytes_read = 0
         self._layout: Union[Layout, None] = None

@@ -14,8 +14,10 @@ embedding is written once, under the name ``transformers`` stores it by.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Union
 
@@ -49,6 +51,15 @@ def export_pretrained(
         )
     with torch.device("meta"):
         model = CausalLM(source if isinstance(source, dict) else Path(source))
+    stale = sorted(
+        p.name for p in out.glob("*") if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")
+    )
+    if stale:
+        raise ValueError(
+            f"{out} already holds model files ({', '.join(stale[:3])}); from_pretrained would mix them with the"
+            " export. Export into an empty or new folder."
+        )
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     names = model.hf_state_dict_names()
     missing = sorted(set(names) - set(state))
     if missing:
@@ -59,12 +70,17 @@ def export_pretrained(
         if ours not in model.state_dict(keep_vars=True):
             continue
         tensor = state[ours]
-        if id(tensor) in seen or theirs in tensors:
-            continue  # a tied weight: stored once, under its first name
+        if id(tensor) in seen or theirs in tensors or (tied and theirs == "lm_head.weight"):
+            continue  # a tied weight: stored once, under the input embedding's name
         seen.add(id(tensor))
         tensors[theirs] = tensor.contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(out)
+    config = copy.deepcopy(model.config)
+    config.use_cache = True  # CausalLM trains without a cache; generation wants one
+    config.save_pretrained(out)
+    generation = Path(source) / "generation_config.json" if isinstance(source, str) else None
+    if generation is not None and generation.is_file():  # the folder's eos ids and sampling defaults
+        shutil.copyfile(generation, out / "generation_config.json")
     shards = _shards(tensors, _bytes(max_shard_size))
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})

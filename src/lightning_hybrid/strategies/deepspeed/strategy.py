@@ -28,7 +28,7 @@ from lightning_hybrid._agree import agreed_problem, raise_agreed
 from lightning_hybrid._lightning_compat import is_mock_optimizer, process_group_backend, syncs_batchnorm
 from lightning_hybrid._skip import skip_schedulers_when
 from lightning_hybrid._torch_compat import note_failed_fit, wait_for_gloo_at_exit
-from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, as_pretrained_weights
 from lightning_hybrid.strategies._checks import agreed_setup
 from lightning_hybrid.strategies._layout import Layout, LayoutRequest
 from lightning_hybrid.strategies._parallel import ParallelLayout, known
@@ -117,7 +117,8 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
         config: Union[dict[str, Any], str, os.PathLike, None] = None,
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
-        init_from: Union[str, os.PathLike, PretrainedWeights, None] = None,
+        # PretrainedWeights first and a dict beside it: LightningCLI's parser then builds the object from YAML
+        init_from: Union[PretrainedWeights, dict[str, Any], str, os.PathLike, None] = None,
         process_group_backend: Union[str, None] = None,
         timeout: Union[timedelta, None] = default_pg_timeout,
     ) -> None:
@@ -132,8 +133,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._user_config = load_config(config)  # a bad path or JSON fails here, on every rank
         self._pipe = PipeOptions(partition_method, activation_checkpoint_interval)
-        if init_from is not None and not isinstance(init_from, PretrainedWeights):
-            init_from = PretrainedWeights(init_from)  # raises a ValueError naming what is wrong
+        init_from = as_pretrained_weights(init_from)  # raises a ValueError naming what is wrong
         self._init_from: Union[PretrainedWeights, None] = init_from
         self._layout: Union[Layout, None] = None
         self._counted: Union[CountedLoss, None] = None  # a loss averaged over pipeline_loss_count elements

@@ -23,6 +23,7 @@ from lightning_hybrid.strategies._layout import SCHEDULES, Layout, stage_ids_on_
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit, partition_layers
 
 __all__ = [
+    "describe_stages",
     "PipelineStageModule",
     "build_schedule",
     "split_module",
@@ -54,6 +55,35 @@ def stage_ranges(module: nn.Module, layout: Layout, split: PipelineSplit | None)
     """The blocks of ``module.layers`` each stage runs (balanced by parameter count unless ``split`` says)."""
     costs = [float(sum(p.numel() for p in block.parameters())) or 1.0 for block in module.layers.children()]
     return partition_layers(costs, layout.num_stages, split)
+
+
+def describe_stages(module: nn.Module, ranges: list[range]) -> str:
+    """One line per stage (its blocks, their classes, its parameters) and the whole model's parameter count,
+    tied parameters once: what Lightning's model summary cannot show once each rank holds one stage."""
+    blocks = list(module.layers.children())
+    seen: set[int] = set()
+
+    def count(params) -> int:
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return sum(p.numel() for p in fresh)
+
+    lines = []
+    for sid, r in enumerate(ranges):
+        kinds = sorted({type(blocks[i]).__name__ for i in r})
+        n = count(p for i in r for p in blocks[i].parameters())
+        lines.append(f"  stage {sid}: blocks {r.start}-{r.stop - 1} ({', '.join(kinds)}), {_human(n)} parameters")
+    outside = count(module.parameters())
+    total = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    tail = f" ({_human(outside)} outside self.layers)" if outside else ""
+    return "\n".join([f"pipeline stages of {type(module).__name__}: {_human(total)} parameters{tail}", *lines])
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
 
 
 def split_module(
