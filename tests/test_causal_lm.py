@@ -124,7 +124,9 @@ def _check(result, ref: tuple[list[float], dict[str, torch.Tensor]], checkpoint:
     assert worst < 1e-4, worst
 
 
-FROM_FOLDER = {"llama-pp2-1f1b-4mb-eager", "qwen2-dp2-zero3-sdpa"}  # meta-built; each rank reads its part
+# Every default-tier case starts from a save_pretrained folder of the reference's initial weights (meta-built,
+# GPT-2's tied embeddings on the host), read by the strategy; the slow Mixtral case builds from the config.
+SLICED_READS = {"llama-pp2-1f1b-4mb-eager", "qwen2-dp2-zero3-sdpa", "mistral-interleaved-4-stages"}
 CASES = {
     "llama-pp2-1f1b-4mb-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, num_microbatches=4), 2),
     "qwen2-dp2-zero3-sdpa": ("qwen2", "sdpa", _hybrid(zero_stage=3), 2),
@@ -152,7 +154,7 @@ SLOW_CASES = {
 def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
     family, attn, strategy, nproc = {**CASES, **SLOW_CASES}[case]
     extra = {}
-    if case in FROM_FOLDER:
+    if case in CASES:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)  # the reference's initial weights
@@ -166,7 +168,7 @@ def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
         n = sum(p.numel() for p in reference_model(family, attn).parameters())
         assert f"pipeline stages of CausalLM: {n / 1e3:.1f} K parameters" in result.output, result.output[-3000:]
         assert "  stage 1: blocks " in result.output
-    if case in FROM_FOLDER:  # each rank read its stage's tensors (pp2) or its rows (ZeRO-3): the file once
+    if case in SLICED_READS:  # each rank read its stages' tensors (pp2) or its rows (ZeRO-3): the file once
         from safetensors import safe_open
 
         with safe_open(str(tmp_path / "folder" / "model.safetensors"), "pt") as f:
@@ -278,6 +280,7 @@ def test_a_folder_under_a_plain_lightning_strategy_loads_its_weights_and_trains_
     AutoModelForCausalLM.from_config(hf_config(family, "sdpa")).save_pretrained(tmp_path / "folder")
     torch.manual_seed(123)  # another seed: only the folder's weights can give the reference's losses
     model = CausalLM(tmp_path / "folder", attn_implementation="sdpa", lr=LR)
+    assert model.pretrained_weights is not None  # read by name (and by slice under the pack's strategies)
     losses = _fit_one_process(model, 2)
     ref_losses, _ = reference(family, "sdpa", steps=2)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
@@ -294,3 +297,27 @@ def test_a_folder_whose_weights_do_not_fit_its_config_is_refused_with_the_tensor
     (tmp_path / "folder" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight"):
         _fit_one_process(CausalLM(tmp_path / "folder", lr=LR), 1)
+
+
+@pytest.mark.multiproc
+def test_a_model_with_fewer_blocks_than_stages_is_refused_on_every_rank(tmp_path):
+    """One decoder layer is three blocks; an interleaved schedule on 2 ranks wants 4 stages."""
+    strategy = _hybrid(pipeline_parallel_size=2, schedule="interleaved_1f1b", num_microbatches=2)
+    cfg = {**_cfg(tmp_path, "llama", "sdpa", strategy), "config": {**SMALL, "num_hidden_layers": 1}}
+    result = launch("causal_lm.py", cfg, nproc=2, timeout=120, expect_success=False)
+    errors = [result.rank(r).get("error", "") for r in range(2)]
+    assert errors[0] == errors[1] and "3" in errors[0] and "4" in errors[0] and "stage" in errors[0], errors
+
+
+def test_a_moe_folder_stored_expert_by_expert_is_read_by_transformers_and_trains_as_it(tmp_path):
+    """transformers 5 saves Mixtral's experts one by one and holds them fused: the folder is read by its own
+    loader (on the host) instead of by name, and the run trains as transformers itself."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(hf_config("mixtral", "eager")).save_pretrained(tmp_path / "folder")
+    model = CausalLM(tmp_path / "folder", attn_implementation="eager", lr=LR)
+    assert model.pretrained_weights is None and not any(p.is_meta for p in model.parameters())
+    losses = _fit_one_process(model, 2)
+    ref_losses, _ = reference("mixtral", "eager", steps=2)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)

@@ -28,3 +28,15 @@ def test_a_short_soak_ends_every_job_as_the_uninterrupted_run_with_nothing_lost(
         assert all(t <= soak.BOUND_S for times in r.ended_in.values() for t in times), table
     kinds = set().union(*(set(r.failures) for r in records.values()))
     assert {"sigkill", "sigterm", "sigint"} <= kinds, table
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_and_sigterm_at_random_points_end_every_rank_in_bound_with_the_documented_codes(tmp_path):
+    """A few trials of ``benchmarks/interrupts.py`` (its results file records 120): no SIGABRT, no rank left
+    to the launcher's SIGKILL, every job ended within the bound."""
+    import interrupts
+
+    records, problems = interrupts.run(6, seed=11, work=tmp_path, log=lambda *_: None)
+    table = "\n".join(interrupts.table(records, problems, 6, 11))
+    assert not problems, table
+    assert sum(len(t) for t in records["ended"].values()) == 6, table

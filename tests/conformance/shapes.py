@@ -667,9 +667,10 @@ SHAPES: dict[str, Callable[[], Shape]] = {
 
 def catalogue() -> dict[str, Callable[[], Shape]]:
     """Every shape: the model shapes above, then the shapes of how training runs (``shapes_training``)."""
-    from shapes_training import TRAINING_SHAPES  # it builds on this module
+    from shapes_hf import HF_SHAPES  # they build on this module
+    from shapes_training import TRAINING_SHAPES
 
-    return {**SHAPES, **TRAINING_SHAPES}
+    return {**SHAPES, **HF_SHAPES, **TRAINING_SHAPES}
 
 
 def cells() -> list[str]:

@@ -66,6 +66,7 @@ class CausalLM(pl.LightningModule):
 
         self.lr, self.weight_decay = lr, weight_decay
         self.folder: Union[Path, None] = None
+        self._converted = False  # the folder was read by transformers' own loader (see below)
         if isinstance(model, (str, os.PathLike)):
             self.folder = Path(model)
             if not (self.folder / "config.json").is_file():
@@ -96,12 +97,25 @@ class CausalLM(pl.LightningModule):
                 "CausalLM(model=...) takes a save_pretrained folder, a PretrainedConfig, a dict of config fields or a"
                 f" transformers model; got {type(model).__name__}."
             )
-        self.config = hf.config
         cut = cut_causal_lm(hf)
+        if self.folder is not None and not _stored_as_named(self.folder, cut):
+            # transformers converts these tensors on load (a MoE's experts, stored one by one, held fused): its
+            # own loader reads the folder, on the host of every rank
+            rank_zero_info(
+                f"CausalLM: {self.folder} stores its tensors under other names than the model holds them"
+                " (transformers converts them on load); reading it with from_pretrained on every rank's host"
+            )
+            hf = AutoModelForCausalLM.from_pretrained(
+                self.folder, dtype=torch.get_default_dtype(), **_attn(attn_implementation)
+            )
+            hf.config.use_cache = False
+            cut, self._converted = cut_causal_lm(hf), True
+        self.config = hf.config
         self.layers = nn.Sequential(*cut.blocks)
         self._prefixes = cut.prefixes
         self._init_weights = cut.init_weights
-        self._weights_loaded = self.folder is None  # a folder's weights: read by the strategy or configure_model
+        # a folder's weights: read by the strategy or configure_model (or here, converted)
+        self._weights_loaded = self.folder is None or self._converted
         self.save_hyperparameters(
             {
                 "model": str(self.folder) if self.folder else self.config.to_dict(),
@@ -117,7 +131,7 @@ class CausalLM(pl.LightningModule):
     def pretrained_weights(self) -> Union[PretrainedWeights, None]:
         """The folder's weights with the key map from Hugging Face's names to ``self.layers``' (read by the
         strategy as its ``init_from`` when it is given none); ``None`` for a model built from a config."""
-        if self.folder is None:
+        if self.folder is None or self._converted:
             return None
         return PretrainedWeights(self.folder, key_map=dict(self._prefixes))
 
@@ -143,10 +157,12 @@ class CausalLM(pl.LightningModule):
             trainer = self.trainer
         except RuntimeError:  # not attached to a Trainer
             trainer = None
-        if trainer is not None and getattr(trainer.strategy, "reads_pretrained_weights", False):
-            self._weights_loaded = True  # the strategy reads each rank's part by slice (init_from)
-            return
-        device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+        strategy = trainer.strategy if trainer is not None else None
+        if getattr(strategy, "reads_pretrained_weights", False):
+            self._weights_loaded = True  # the strategy reads each rank's part (init_from)
+            if getattr(strategy, "materializes_meta_blocks", False):
+                return  # and materialises this rank's blocks only
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
         if any(t.is_meta for t in (*self.parameters(), *self.buffers())):
             self.to_empty(device=device)
             for name, block in self.layers.named_children():
@@ -227,6 +243,20 @@ class CausalLM(pl.LightningModule):
 
     def config_json(self) -> str:
         return json.dumps(self.config.to_dict(), indent=2, sort_keys=True)
+
+
+def _stored_as_named(folder: Path, cut: Any) -> bool:
+    """Whether every tensor of the folder names a tensor of the model through the key map (transformers 5
+    stores a MoE's experts one by one while the model holds them fused: those names name nothing)."""
+    from lightning_hybrid.checkpoint.sources import open_weights
+
+    try:
+        keys = open_weights(folder, verify=False).index()
+    except (OSError, ValueError):
+        return True  # no weights found: the strategy's read says what is missing
+    names = {f"layers.{name}" for name in nn.Sequential(*cut.blocks).state_dict()}
+    weights = PretrainedWeights(folder, key_map=dict(cut.prefixes))
+    return all(any(target in names for target in weights.targets(key)) for key in keys)
 
 
 def _attn(attn_implementation: Union[str, None]) -> dict[str, str]:

@@ -104,6 +104,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
 
     strategy_name = "hybrid"
     reads_pretrained_weights = True  # a module's ``pretrained_weights`` is its init_from when none is given
+    materializes_meta_blocks = True  # a meta-built module: each rank materialises its own blocks only
     engine_label = "torch"
 
     def __init__(
