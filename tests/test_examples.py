@@ -72,7 +72,7 @@ def test_llama_example_trains_a_transformers_model_and_exports_it(tmp_path):
 @pytest.mark.multiproc
 def test_init_from_written_in_yaml_with_a_key_map_reaches_the_strategy_as_weights(tmp_path):
     """LightningCLI's parser builds ``PretrainedWeights`` (class_path, init_args, a key map) for the strategy:
-    with no step taken, the exported model is the folder's own, bitwise."""
+    after two steps at learning rate 0, the exported model is the folder's own, bitwise."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -94,7 +94,9 @@ def test_init_from_written_in_yaml_with_a_key_map_reaches_the_strategy_as_weight
         "init_args": {"path": str(tmp_path / "folder"), "key_map": key_map},
     }
     config["trainer"]["devices"] = 2  # pp2
-    _llama_job(config, tmp_path, "--trainer.max_steps=0")
+    config["model"]["lr"] = 0.0  # it trains (2 steps), and AdamW at lr 0 leaves the weights where they start
+    out = _llama_job(config, tmp_path, "--trainer.max_steps=2", "--trainer.val_check_interval=2")
+    assert "pipeline stages of CausalLM" in out
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     for name, value in source.state_dict().items():
         assert torch.equal(exported[name], value), name

@@ -58,6 +58,7 @@ DEEPSPEED = ["deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
 ZERO3 = ["dp2-zero3", "dp2-zero3-submodules"]
 
 # (layout, shape): what every rank's error says, whatever the optimizer. Anything else that fails is a defect.
+TIED_SHAPES = ("tied", "hf-gpt2", "hf-bert", "causal-lm-gpt2-tied")  # input and output embeddings one Parameter
 REFUSED: dict[tuple[str, str], str] = {
     **{(layout, "backbone-finetuning"): "adds param groups to the optimizer" for layout in DEEPSPEED},
     **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, *ZERO3]},
@@ -102,10 +103,10 @@ REFUSED: dict[tuple[str, str], str] = {
     # torch's pipeline stages compute input gradients with autograd.grad(inputs=...)
     **{(layout, "checkpointed-reentrant"): "use_reentrant=True" for layout in PIPELINES if layout not in DEEPSPEED},
     **{(layout, "scalar-params"): "cannot shard 0-dim parameters" for layout in ZERO3},
-    **{(layout, s): "tied parameter in 2 FSDP2 units" for layout in ZERO3 for s in ("tied", "hf-gpt2", "hf-bert")},
-    **{("pp2xdp2-zero2", s): "reduce_gradients='every_microbatch'" for s in ("tied", "hf-gpt2", "hf-bert")},
+    **{(layout, s): "tied parameter in 2 FSDP2 units" for layout in ZERO3 for s in TIED_SHAPES},
+    **{("pp2xdp2-zero2", s): "reduce_gradients='every_microbatch'" for s in TIED_SHAPES},
     **{(layout, "scalar-params"): "0-dim parameter" for layout in DEEPSPEED},
-    **{(layout, s): "one parameter in two places" for layout in DEEPSPEED for s in ("tied", "hf-gpt2", "hf-bert")},
+    **{(layout, s): "one parameter in two places" for layout in DEEPSPEED for s in TIED_SHAPES},
     **{
         (layout, s): "hold no parameter of stage"
         for layout in DEEPSPEED

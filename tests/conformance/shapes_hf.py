@@ -77,6 +77,9 @@ class HFGPT2(HFCausalLM):
     """GPT-2 (input and output embeddings tied) through CausalLM."""
 
     family = "gpt2"
+    # its attention's key bias has a zero gradient in exact arithmetic (as the GPT2 shape's): Adam turns rounding
+    # noise into updates, and a rank's own micro-batch loss after a resume on another layout moved 1.3e-5
+    loss_tolerance = 2e-5
     fields = {"vocab_size": 32, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 16, "resid_pdrop": 0.0,
               "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
 

@@ -222,8 +222,12 @@ class CausalLM(pl.LightningModule):
         return x
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """Without a pipeline (under one, the strategy runs the schedule and logs the global ``train_loss``): this
+        rank's batch's mean, logged as ``train_loss`` unsynchronised, as under DDP (no collective here)."""
         inputs, target = self.pipeline_batch(batch)
-        return self.pipeline_loss(self(*inputs), target)
+        loss = self.pipeline_loss(self(*inputs), target)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
         return self._evaluate(batch, "val_loss")
