@@ -9,6 +9,7 @@ is downloaded). At the end the trained weights are written as a ``save_pretraine
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from gpt import CharDataModule
@@ -28,6 +29,10 @@ class CausalLMCLI(LightningCLI):
         trainer = self.trainer
         export_dir = Path(self.config.fit.export_dir)
         checkpoint = export_dir.parent / "final"
+        if trainer.is_global_zero:  # this example's own outputs of an earlier run
+            for old in (checkpoint, export_dir):
+                shutil.rmtree(old, ignore_errors=True)
+        trainer.strategy.barrier()
         trainer.save_checkpoint(checkpoint)  # every rank: a sharded folder in any layout
         trainer.strategy.barrier()
         if trainer.is_global_zero:
