@@ -47,13 +47,15 @@ def run(
     ended: dict[tuple[str, str], list[float]] = defaultdict(list)
     codes: dict[tuple[str, str], Counter] = defaultdict(Counter)
     problems: list[str] = []
+    forced = None  # one job and one signal (``--only 0:sigint``)
+    if only is not None:
+        index, signal_name = only.split(":")
+        forced = (TRIAL_JOBS[int(index)], signal_name)
     try:
         for i in range(trials):
-            job = TRIAL_JOBS[i % len(TRIAL_JOBS)]
+            job = TRIAL_JOBS[i % len(TRIAL_JOBS)] if forced is None else forced[0]
             fault = "sigint" if rng.random() < 0.5 else "sigterm"
-            if only is not None:  # one job and one signal (``--only 0:sigint``)
-                index, fault = only.split(":")
-                job = TRIAL_JOBS[int(index)]
+            fault = fault if forced is None else forced[1]
             cfg = _config(job, work, f"t{i:04d}", job.nproc, work / f"ckpt{i:04d}", 60)
             out = _launch_with_fault(cfg, job.nproc, rng.randint(1, 6), fault, False, disk, rng)
             result = out["result"]

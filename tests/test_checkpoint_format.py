@@ -26,7 +26,7 @@ from lightning_hybrid.checkpoint._safe_load import UnsafeCheckpointError, read_d
 from lightning_hybrid.checkpoint._sharded import read_sharded, write_sharded
 from lightning_hybrid.checkpoint._store import StepFolder, new_step_folder, retention, step_folders
 from lightning_hybrid.utilities import consolidate_checkpoint
-from lightning_hybrid.utilities.consolidate import _consolidated_lightning_checkpoint
+from lightning_hybrid.utilities.consolidate import consolidated_lightning_checkpoint
 
 pytestmark = pytest.mark.unit
 
@@ -150,7 +150,7 @@ def test_consolidate_reads_meta_without_running_code(tmp_path):
     (folder / "meta.pt").write_bytes(_torch_bytes({"epoch": 0, "evil": _Marker(marker)}))
     _rehash(folder, "meta.pt")
     with pytest.raises(pickle.UnpicklingError):
-        _consolidated_lightning_checkpoint(folder)
+        consolidated_lightning_checkpoint(folder)
     assert not marker.exists()
 
 

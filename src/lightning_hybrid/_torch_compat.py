@@ -193,10 +193,11 @@ def wait_for_gloo_at_exit() -> None:
     any collective they issue): it releases the GIL until every gloo worker is parked in its idle wait (an
     untimed condition-variable wait, read from ``/proc/self/task/<tid>/syscall``), at most 2 seconds (a rank
     leaving with a collective in flight must not hang), about 5 ms in a normal exit. Loggers, ``atexit``
-    handlers and the exit code are untouched. Where ``/proc`` cannot tell (another OS, an unknown CPU) it
+    handlers and the exit code are untouched, except when a fit that failed ends the process with a thread still
+    in native code (see ``_quiet_gloo``). Where ``/proc`` cannot tell (another OS, an unknown CPU) it
     only pauses 50 ms with the GIL released, which narrows the race without closing it."""
-    global _exit_wait_installed, _failed_fit
-    _failed_fit = None  # called as a fit sets up: it has not failed
+    global _exit_wait_installed
+    note_failed_fit(None)  # called as a fit sets up: it has not failed
     if not _exit_wait_installed:
         atexit.register(_quiet_gloo)
         _exit_wait_installed = True

@@ -65,19 +65,12 @@ class DecoderBlock(nn.Module):
         self._sliding = sliding
 
     def forward(self, hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        make_mask = create_sliding_window_causal_mask if self._sliding else create_causal_mask
-        mask = make_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=positions
-        )
-        rotary = self._rotary[0]
+        positions, mask = _positions_and_mask(self.config, hidden, attention_mask, sliding=self._sliding)
         out = self.layer(
             hidden,
             attention_mask=mask,
             position_ids=positions,
-            position_embeddings=rotary(hidden, positions),
+            position_embeddings=self._rotary[0](hidden, positions),
             use_cache=False,
         )
         return (out[0] if isinstance(out, tuple) else out), attention_mask
@@ -112,12 +105,7 @@ class GPT2Decoder(nn.Module):
         self.config = config
 
     def forward(self, hidden: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=positions
-        )
+        positions, mask = _positions_and_mask(self.config, hidden, attention_mask, sliding=False)
         out = self.block(hidden, None, mask, position_ids=positions, use_cache=False)
         return (out[0] if isinstance(out, tuple) else out), attention_mask
 
@@ -129,6 +117,19 @@ class GPT2Head(nn.Module):
 
     def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         return self.lm_head(self.ln_f(hidden))
+
+
+def _positions_and_mask(config: Any, hidden: Tensor, attention_mask: Tensor, *, sliding: bool) -> tuple[Tensor, Any]:
+    """Position ids ``0..T-1`` and the layer's mask for its attention implementation, as the base model's forward
+    builds them without a cache (``transformers``' own mask functions)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    mask = make_mask(
+        config=config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None, position_ids=positions
+    )
+    return positions, mask
 
 
 def _mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -176,11 +177,10 @@ def cut_causal_lm(model: nn.Module) -> HFCut:
             f"CausalLM does not add the router's auxiliary loss of {type(model).__name__} yet: set"
             " output_router_logits=False in the config (the experts and router still train on the LM loss)."
         )
-    rotary_cls = type(getattr(base, "rotary_emb", None))
     if not hasattr(base, "rotary_emb"):
         raise ValueError(f"CausalLM cannot cut {type(model).__name__}: its base model has no rotary_emb.")
     with torch.device("cpu"):  # a host-side table, also when the model is built on the meta device
-        rotary = rotary_cls(config=config)
+        rotary = type(base.rotary_emb)(config=config)
     n = len(base.layers)
     head = n + 1
     sliding = _sliding_layers(config, FAMILIES[family], n)

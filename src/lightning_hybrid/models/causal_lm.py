@@ -9,7 +9,7 @@ replicas and accumulation windows.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_hybrid.checkpoint.pretrained import PretrainedWeights
+from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_plan, load_pretrained, open_weights
 from lightning_hybrid.models._hf_cut import cut_causal_lm
 
 __all__ = ["CausalLM"]
@@ -83,7 +83,7 @@ class CausalLM(pl.LightningModule):
             config.use_cache = False
             # a folder's weights are read later, by slice; tied embeddings cannot be built on the meta device
             meta = self.folder is not None and not getattr(config, "tie_word_embeddings", False)
-            with torch.device("meta") if meta else _nothing():  # fp32 parameters whatever the folder stores
+            with torch.device("meta") if meta else contextlib.nullcontext():  # fp32 whatever the folder stores
                 hf = AutoModelForCausalLM.from_config(
                     config, dtype=torch.get_default_dtype(), **_attn(attn_implementation)
                 )
@@ -169,8 +169,6 @@ class CausalLM(pl.LightningModule):
                 self.init_block(f"layers.{name}", block)  # buffers outside the state_dict (Gemma's embed_scale)
         if self._weights_loaded or trainer is None:
             return
-        from lightning_hybrid.checkpoint.pretrained import agreed_plan, load_pretrained
-
         weights = self.pretrained_weights
         assert weights is not None
         source, plan = agreed_plan(weights, self, device)
@@ -216,7 +214,7 @@ class CausalLM(pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Union[Tensor, None] = None) -> Tensor:
         """Logits, running the blocks in order (what a pipeline runs stage by stage)."""
-        x: Any = (input_ids, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
+        x: Any = (input_ids,) if attention_mask is None else (input_ids, attention_mask)  # the first block fills it
         for block in self.layers:
             x = block(*x)
         return x
@@ -245,15 +243,10 @@ class CausalLM(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
-    def config_json(self) -> str:
-        return json.dumps(self.config.to_dict(), indent=2, sort_keys=True)
-
 
 def _stored_as_named(folder: Path, cut: Any) -> bool:
     """Whether every tensor of the folder names a tensor of the model through the key map (transformers 5
     stores a MoE's experts one by one while the model holds them fused: those names name nothing)."""
-    from lightning_hybrid.checkpoint.sources import open_weights
-
     try:
         keys = open_weights(folder, verify=False).index()
     except (OSError, ValueError):
@@ -265,11 +258,3 @@ def _stored_as_named(folder: Path, cut: Any) -> bool:
 
 def _attn(attn_implementation: Union[str, None]) -> dict[str, str]:
     return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

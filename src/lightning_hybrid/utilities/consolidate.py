@@ -28,7 +28,7 @@ from lightning_hybrid.checkpoint._sharded import (
     verified_checkpoint,
 )
 
-__all__ = ["consolidate_checkpoint", "main"]
+__all__ = ["consolidate_checkpoint", "consolidated_lightning_checkpoint", "main"]
 
 
 def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> dict[str, torch.Tensor]:
@@ -59,7 +59,8 @@ def consolidate_checkpoint(path: str | Path, *, prefix: str = "state_dict") -> d
     return state
 
 
-def _consolidated_lightning_checkpoint(path: Path) -> dict[str, Any]:
+def consolidated_lightning_checkpoint(path: Path) -> dict[str, Any]:
+    """The Lightning checkpoint a sharded folder holds, its ``state_dict`` consolidated (layout record dropped)."""
     checkpoint = read_meta(path)
     checkpoint["state_dict"] = consolidate_checkpoint(path)
     checkpoint.pop(LAYOUT_KEY, None)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="the checkpoint folder (it holds .metadata)")
     parser.add_argument("output", type=Path, help="where to write the single-file checkpoint")
     args = parser.parse_args(argv)
-    checkpoint = _consolidated_lightning_checkpoint(args.checkpoint)
+    checkpoint = consolidated_lightning_checkpoint(args.checkpoint)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(args.output, lambda f: torch.save(checkpoint, f))  # never a partial file under the name
     n = sum(t.numel() for t in {id(t): t for t in checkpoint["state_dict"].values()}.values())  # tied: once

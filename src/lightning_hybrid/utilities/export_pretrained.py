@@ -24,25 +24,24 @@ from typing import Any, Union
 import torch
 
 from lightning_hybrid.checkpoint._safe_load import load_payload
-from lightning_hybrid.checkpoint._sharded import read_meta
-from lightning_hybrid.utilities.consolidate import consolidate_checkpoint
+from lightning_hybrid.utilities.consolidate import consolidated_lightning_checkpoint
 
 __all__ = ["export_pretrained", "main"]
-
-_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "B": 1}
 
 
 def export_pretrained(
     checkpoint: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *, max_shard_size: Union[int, str] = "5GB"
 ) -> Path:
     """Export ``checkpoint`` (of a :class:`~lightning_hybrid.models.CausalLM`) to ``out_dir``; returns it."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     from lightning_hybrid.models import CausalLM
 
     path, out = Path(checkpoint), Path(out_dir)
-    meta, state = _read(path)
-    hparams = meta.get("hyper_parameters") or {}
+    checkpoint = _read(path)
+    state = checkpoint["state_dict"]
+    hparams = checkpoint.get("hyper_parameters") or {}
     source = hparams.get("model")
     if source is None:
         raise ValueError(
@@ -67,8 +66,6 @@ def export_pretrained(
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for ours, theirs in names.items():
-        if ours not in model.state_dict(keep_vars=True):
-            continue
         tensor = state[ours]
         if id(tensor) in seen or theirs in tensors or (tied and theirs == "lm_head.weight"):
             continue  # a tied weight: stored once, under the input embedding's name
@@ -81,48 +78,18 @@ def export_pretrained(
     generation = Path(source) / "generation_config.json" if isinstance(source, str) else None
     if generation is not None and generation.is_file():  # the folder's eos ids and sampling defaults
         shutil.copyfile(generation, out / "generation_config.json")
-    shards = _shards(tensors, _bytes(max_shard_size))
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)  # transformers' own sizes
+    for name, keys in split.filename_to_tensors.items():
+        save_file({key: tensors[key] for key in keys}, str(out / name), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
-def _read(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if path.is_dir():
-        return read_meta(path), consolidate_checkpoint(path)
-    checkpoint = load_payload(path)
-    return checkpoint, checkpoint["state_dict"]
-
-
-def _bytes(size: Union[int, str]) -> int:
-    if isinstance(size, int):
-        return size
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if size.endswith(unit):
-            return int(float(size[: -len(unit)]) * _UNITS[unit])
-    return int(size)
-
-
-def _shards(tensors: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    return shards
+def _read(path: Path) -> dict[str, Any]:
+    """A Lightning checkpoint dict with the whole model's ``state_dict``, from a sharded folder or one file."""
+    return consolidated_lightning_checkpoint(path) if path.is_dir() else load_payload(path)
 
 
 def main(argv: list[str] | None = None) -> None:
