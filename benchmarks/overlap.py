@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,11 +235,8 @@ def _extra_reductions(k: int) -> Any:
     return ExtraReductions()
 
 
-def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me: str = "") -> dict[str, Any]:
-    """One Trainer of ``spec`` with ``k`` micro-batches per step, fitted from the same seed and data: this rank's
-    median step time after warm-up (Lightning's batch start to batch end), and on a GPU its peak memory. With
-    ``turns``, it hands the process over to the next Trainer after each optimizer step (see :class:`_Turns`)."""
-    import lightning as L
+def _gpt_and_data(cfg: dict[str, Any], spec: Any) -> tuple[Any, Any]:
+    """The example GPT of ``cfg``'s size for ``spec`` and its training batches (the same for every spec)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -247,8 +245,25 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me
 
     torch.manual_seed(0)
     data = CharDataModule(block_size=cfg["block_size"], batch_size=cfg["batch_size"], stride=4)
-    cfg = {**cfg, "strategy": spec, "vocab_size": data.vocab_size}
-    model = _model(cfg)
+    model = _model({**cfg, "strategy": spec, "vocab_size": data.vocab_size})
+    return model, DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True)
+
+
+Build = Callable[[dict[str, Any], Any], tuple[Any, Any]]
+"""(cfg, strategy spec) -> (LightningModule, training DataLoader), from the same seed for every spec."""
+
+
+def _fit(
+    cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me: str = "", build: Build = _gpt_and_data
+) -> dict[str, Any]:
+    """One Trainer of ``spec`` with ``k`` micro-batches per step, fitted from the same seed and data: this rank's
+    median step time after warm-up (Lightning's batch start to batch end), and on a GPU its peak memory. With
+    ``turns``, it hands the process over to the next Trainer after each optimizer step (see :class:`_Turns`)."""
+    import lightning as L
+    import torch
+
+    model, loader = build(cfg, spec)
+    cfg = {**cfg, "strategy": spec}
     gpu = torch.cuda.is_available()
     times: list[float] = []
 
@@ -287,7 +302,7 @@ def _fit(cfg: dict[str, Any], spec: Any, k: int, turns: _Turns | None = None, me
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Probe(), *([_extra_reductions(k)] if spec == "ddp+reduce-scatters" else [])],
     )  # fmt: skip
-    trainer.fit(model, train_dataloaders=DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True))
+    trainer.fit(model, train_dataloaders=loader)
     step = statistics.median(times[cfg["warmup"] :])
     report: dict[str, Any] = {"step_time": step}
     if gpu:
@@ -343,7 +358,9 @@ class _Turns:
         self.changed.notify_all()
 
 
-def _lockstep(cfg: dict[str, Any], order: list[str], k: int, seed: int = 0) -> dict[str, dict[str, Any]]:
+def _lockstep(
+    cfg: dict[str, Any], order: list[str], k: int, seed: int = 0, build: Build = _gpt_and_data
+) -> dict[str, dict[str, Any]]:
     """Every configuration of ``order`` fitted at once, one optimizer step at a time (:class:`_Turns`)."""
     import threading
 
@@ -353,7 +370,7 @@ def _lockstep(cfg: dict[str, Any], order: list[str], k: int, seed: int = 0) -> d
     def fit(name: str) -> None:
         try:
             turns.wait(name)
-            reports[name] = _fit(cfg, CONFIGS[name], k, turns, name)
+            reports[name] = _fit(cfg, CONFIGS[name], k, turns, name, build)
         except BaseException:
             # this process ends at once: if only this rank failed, the next Trainer's collectives here would
             # pair with this one's on the other ranks (torchrun then stops them, and the round fails)

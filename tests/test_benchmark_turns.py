@@ -86,7 +86,7 @@ def test_a_trainer_failing_ends_the_process_at_once(tmp_path):
         "import sys, threading\n"
         f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
         "import overlap\n"
-        "def fit(cfg, spec, k, turns, me):\n"
+        "def fit(cfg, spec, k, turns, me, build=None):\n"
         "    for step in range(3):\n"
         "        print(me, 'step', step, flush=True)\n"
         "        if me == 'hybrid ZeRO-1' and step == 1:\n"
