@@ -155,3 +155,64 @@ def test_zero0_buckets_are_reduced_in_backwards_order_from_the_first_window():
         assert arrived_at_start == [4, 8, 12], arrived_at_start  # each bucket as soon as backward completed it
     finally:
         dist.destroy_process_group()
+
+
+def test_zero0_reduces_in_place_in_buffers_that_live_across_steps():
+    # a step allocates no gradient-sized buffer: backward's gradients are copied into each bucket's persistent
+    # buffer once, later micro-batches accumulate in place, and the reduction leaves .grad as views of it. What
+    # .grad holds is what one process would hold: the window's sum (here the mean of one replica), None where no
+    # gradient came
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_hybrid.strategies.zero.buckets import ReplicatedBuckets
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+        unused = nn.Linear(4, 4)  # never reached by backward
+        params = [*model.parameters(), *unused.parameters()]
+        queue = BucketQueue()
+        owner = ReplicatedBuckets(
+            params, [str(i) for i in range(len(params))], bucket_bytes=6_000, group=dist.group.WORLD, queue=queue
+        )
+        reference = [nn.Parameter(p.detach().clone()) for p in params[:6]]
+        ref_model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+        for p, r in zip(ref_model.parameters(), reference):
+            p.data = r.data
+        storages: list[set[int]] = []
+        for _ in range(3):
+            batches = [torch.randn(4, 32) for _ in range(2)]
+            for k, x in enumerate(batches):  # a window of two micro-batches, the second closes it
+                queue.armed = k == 1
+                owner.closed = False
+                model(x).square().sum().backward()
+                ref_model(x).square().sum().backward()
+                if k == 0:  # accumulated in place from the first micro-batch on
+                    assert all(p.grad is owner.views[i] for i, p in enumerate(params[:6]))
+                queue.end_backward()
+            reduced, used = owner.take()
+            assert reduced == set(range(len(params))) and used == [True] * 6 + [False] * 2
+            for p, r in zip(params, ref_model.parameters()):
+                assert torch.equal(p.grad, r.grad)
+            assert all(params[i].grad is owner.views[i] for i in range(len(params)))
+            assert torch.count_nonzero(params[6].grad) == 0  # zeros were sent for it (the strategy drops it)
+            storages.append({p.grad.untyped_storage().data_ptr() for p in params})
+            owner.after_window()
+            for p in [*params, *ref_model.parameters()]:
+                p.grad = None  # Lightning's zero_grad
+        # the first window's order re-plans the buckets once (new buffers), then they stay
+        assert storages[1] == storages[2] and len(storages[1]) == len(owner.buckets) > 1
+        # a backward with create_graph=True keeps autograd's .grad and its graph (second-order training), and
+        # the reduction still averages it
+        queue.armed = False
+        model(batches[0]).square().sum().backward(create_graph=True)
+        assert all(p.grad.grad_fn is not None and p.grad is not owner.views[i] for i, p in enumerate(params[:6]))
+        want = [p.grad.detach().clone() for p in params[:6]]
+        queue.armed, owner.closed = True, False
+        queue.end_backward()
+        assert all(torch.equal(p.grad, w) for p, w in zip(params, want))
+    finally:
+        dist.destroy_process_group()

@@ -76,9 +76,13 @@ class _Branchy(nn.Module):
 
 @pytest.fixture
 def nan_for_empty(monkeypatch):
-    """Every fresh ``torch.empty`` is NaN: a part read before it was written poisons what it reaches."""
-    real_empty = torch.empty
+    """Every fresh ``torch.empty`` is NaN, and so is every bucket buffer ZeRO-2 takes from its pool (which
+    holds an earlier bucket's numbers): a part read before it was written poisons what it reaches."""
+    from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
+
+    real_empty, real_new_buffer = torch.empty, BucketGradients._new_buffer
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(BucketGradients, "_new_buffer", lambda self, b: real_new_buffer(self, b).fill_(float("nan")))
 
 
 def _branchy_zero2(group: dist.ProcessGroup) -> tuple[nn.Module, nn.Module, FlatShardedOptimizer]:
@@ -227,3 +231,41 @@ def test_zero2_reduced_then_another_backward_then_cleared(one_rank_group, nan_fo
     sharded.reduce_gradients()
     reference(xs[2], True).square().sum().backward()
     torch.testing.assert_close(shard_grad(), _flat_grads(reference), rtol=0, atol=1e-6)
+
+
+def test_zero2_bucket_buffers_are_reused_within_a_window_and_released_at_the_step(one_rank_group, monkeypatch):
+    """A window's micro-batches reduce their buckets in buffers of earlier reductions (no fresh allocation per
+    bucket and micro-batch, whose cost grows with the model), at most as many as can be live at once; from the
+    step on none is kept, so the optimizer's peak is not raised. The gradient stays exact."""
+    from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
+
+    model, reference, sharded = _branchy_zero2(one_rank_group)
+    grads = sharded.groups[0].grads
+    assert isinstance(grads, BucketGradients)
+    taken: list[list[int]] = []  # per micro-batch: how many buffers the pool held as each bucket took one
+    real_new_buffer = BucketGradients._new_buffer
+    monkeypatch.setattr(
+        BucketGradients, "_new_buffer", lambda self, b: taken[-1].append(len(self._pool)) or real_new_buffer(self, b)
+    )
+    for _ in range(2):
+        for use_skip in (True, False, True):
+            taken.append([])
+            x = torch.randn(5, 4)
+            model(x, use_skip).square().sum().backward()
+            reference(x, use_skip).square().sum().backward()
+            sharded.queue.end_backward()
+            sharded.after_backward()
+            assert 0 < len(grads._pool) <= sharded.queue.max_in_flight + 1
+        sharded.reduce_gradients()
+        assert grads._pool == []  # nothing kept from the step on
+        got = grads.shard_grad[: sum(p.numel() for p in grads.params)]
+        torch.testing.assert_close(got, _flat_grads(reference), rtol=0, atol=1e-6)
+        sharded.step()
+        sharded.zero_grad()
+        reference.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.data.copy_(p.data)
+    # each window's first micro-batch finds the pool empty; its later ones take every buffer from it
+    assert len(taken) == 6 and all(t for t in taken)
+    for i, pool_sizes in enumerate(taken):
+        assert pool_sizes[0] == 0 if i % 3 == 0 else all(n > 0 for n in pool_sizes), (i, taken)

@@ -31,21 +31,34 @@ def _run(problems: list[str], label: str) -> None:
     uneven = [(0, 0, 7), (1, 7, 17), (2, 17, 30)]
     # a bucket that covers two shards only: rank 0 only sends
     partial = [(1, 0, 4), (2, 4, 9)]
-    bufs = [_buffer(me, n, 1), _buffer(me, 9, 2), _buffer(me, n, 3)]
-    # three reductions in flight at once between the same pairs of ranks before any is waited for
-    pending = [
-        reduce_to_owners(bufs[0], uneven, group),
-        reduce_to_owners(bufs[1], partial, group),
-        reduce_to_owners(bufs[2], [(r, 10 * r, 10 * r + 10) for r in range(world)], group),
-    ]
-    for p in reversed(pending):  # waited in the other order
-        p.wait()
-    for buf, pieces, m, salt in [(bufs[0], uneven, n, 1), (bufs[1], partial, 9, 2), (bufs[2], None, n, 3)]:
-        pieces = pieces or [(r, 10 * r, 10 * r + 10) for r in range(world)]
-        want = sum(_buffer(r, m, salt) for r in range(world))
-        for owner, lo, hi in pieces:
-            if owner == me and not torch.equal(buf[lo:hi], want[lo:hi]):
-                problems.append(f"{label}: reduce salt {salt} piece {lo}:{hi}: {buf[lo:hi].tolist()}")
+    # twice, the second time with the receive buffers the first put back in the pool (poisoned: a part
+    # added before it was received would show)
+    pool: list[torch.Tensor] = []
+    for round_ in range(2):
+        bufs = [_buffer(me, n, 1), _buffer(me, 9, 2), _buffer(me, n, 3)]
+        pooled = len(pool)
+        if round_ == 1 and collectives.point_to_point(group):
+            if not pool:
+                problems.append(f"{label}: the pool holds no receive buffer after the first round")
+            for part in pool:
+                part.fill_(float("nan"))
+        # three reductions in flight at once between the same pairs of ranks before any is waited for
+        pending = [
+            reduce_to_owners(bufs[0], uneven, group, pool=pool),
+            reduce_to_owners(bufs[1], partial, group, pool=pool),
+            reduce_to_owners(bufs[2], [(r, 10 * r, 10 * r + 10) for r in range(world)], group),
+        ]
+        if round_ == 1 and collectives.point_to_point(group) and len(pool) >= pooled:
+            problems.append(f"{label}: the second round's receives took nothing from the pool ({pooled})")
+        for p in reversed(pending):  # waited in the other order
+            p.wait()
+        for buf, pieces, m, salt in [(bufs[0], uneven, n, 1), (bufs[1], partial, 9, 2), (bufs[2], None, n, 3)]:
+            pieces = pieces or [(r, 10 * r, 10 * r + 10) for r in range(world)]
+            want = sum(_buffer(r, m, salt) for r in range(world))
+            for owner, lo, hi in pieces:
+                if owner == me and not torch.equal(buf[lo:hi], want[lo:hi]):
+                    got = buf[lo:hi].tolist()
+                    problems.append(f"{label}: round {round_} reduce salt {salt} piece {lo}:{hi}: {got}")
     # gather: each rank's shard written in place into everyone's buffer; two in flight at once
     flats = [torch.full((3 * world,), -1.0, dtype=torch.float64) for _ in range(2)]
     for k, flat in enumerate(flats):

@@ -37,6 +37,14 @@ class BucketGradients(GroupGradients):
         world = dist.get_world_size(kwargs["group"])
         self.buckets = bucket_ranges(params, offsets, padded, bucket_numel, shard_numel=padded // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
+        # buffers of reductions that are done, for the next buckets of the window: a buffer allocated afresh for
+        # every bucket of every micro-batch would touch new memory each time (on the host, a page fault per 4
+        # KiB), a cost that grows with the model. At most as many as can be live at once are kept (the bucket
+        # filling and those in flight), and none from the step on: the optimizer's peak is not raised
+        self._pool: list[Tensor] = []
+        self._pool_size = queue.max_in_flight + 1
+        self._bases: dict[int, Tensor] = {}  # id(bucket) -> the pooled buffer its ``buffer`` is the start of
+        self._receive: list[Tensor] = []  # gloo's receive buffers, likewise (``reduce_to_owners``'s pool)
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
@@ -93,7 +101,7 @@ class BucketGradients(GroupGradients):
             return
         self.used[index] = True
         if bucket.buffer is None:  # not zeroed: each member's first gradient is copied in, the rest added
-            bucket.buffer = torch.empty(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+            self._new_buffer(bucket)
         begin = self.offsets[index] - bucket.lo
         segment = bucket.buffer[begin : begin + p.numel()]
         if index in bucket.written:  # a second part in one backward (reentrant checkpointing, overlap off)
@@ -123,11 +131,12 @@ class BucketGradients(GroupGradients):
         for i in bucket.members:  # gradients that reached .grad without the hook (e.g. a schedule's own)
             self._hand_off(bucket, i)
         if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
+            self._new_buffer(bucket).zero_()
         else:
             self._zero_unwritten(bucket)
-        flat, lo0 = bucket.buffer, bucket.lo
-        pending = reduce_to_owners(flat, [(owner, lo - lo0, hi - lo0) for owner, lo, hi in bucket.owners], self.group)
+        flat, lo0, pooled = bucket.buffer, bucket.lo, self._bases.pop(id(bucket))
+        parts = [(owner, lo - lo0, hi - lo0) for owner, lo, hi in bucket.owners]
+        pending = reduce_to_owners(flat, parts, self.group, pool=self._receive)
         bucket.buffer, bucket.arrived, bucket.written = None, set(), set()
 
         def finish() -> None:
@@ -142,8 +151,23 @@ class BucketGradients(GroupGradients):
                 else:  # this bucket's first reduction in the window: copied, not added to zeros
                     target.copy_(part)
                     self._shard_written.add(id(bucket))
+            self._pool.append(pooled)
+            if len(self._pool) > self._pool_size:  # the smallest goes
+                self._pool.pop(min(range(len(self._pool)), key=lambda n: self._pool[n].numel()))
 
         return finish
+
+    def _new_buffer(self, bucket: Bucket) -> Tensor:
+        """``bucket``'s buffer for this backward: the start of a pooled one (see ``_pool``), not zeroed."""
+        numel = bucket.hi - bucket.lo
+        fits = [n for n, b in enumerate(self._pool) if b.numel() >= numel]
+        if fits:  # the smallest that fits
+            base = self._pool.pop(min(fits, key=lambda n: self._pool[n].numel()))
+        else:
+            base = torch.empty(numel, dtype=self.dtype, device=self.device)
+        self._bases[id(bucket)] = base
+        bucket.buffer = base[:numel]
+        return bucket.buffer
 
     def _shard_grad(self) -> Tensor:
         """The shard gradient to read: zeros where no reduction wrote yet (none in the window, or a bucket
@@ -174,6 +198,8 @@ class BucketGradients(GroupGradients):
 
     def reduce(self, shard: nn.Parameter) -> None:
         # every bucket was reduced at the window's backward boundaries (the queue's owner made sure)
+        self._pool.clear()
+        self._receive.clear()
         grad = self._shard_grad()
         if not self.averaged:
             grad.div_(self.world)  # in place
@@ -196,4 +222,7 @@ class BucketGradients(GroupGradients):
         self.shard_grad, self.averaged = None, False
         for bucket in self.buckets:
             bucket.buffer, bucket.arrived, bucket.written = None, set(), set()
+        self._pool.clear()
+        self._receive.clear()
+        self._bases.clear()
         super().clear()

@@ -62,7 +62,8 @@ class Bucket:
     owners: list[tuple[int, int, int]]  # ZeRO-2: (group rank, lo, hi), the parts of shards it covers
     arrived: set[int] = field(default_factory=set)  # members whose gradient is complete in this backward
     started: bool = False  # ZeRO-0/1: its reduction for this window started
-    buffer: Tensor | None = None  # ZeRO-2: their gradients, from the first hand-off until the reduction starts
+    # ZeRO-2: their gradients, from the first hand-off until the reduction starts; ZeRO-0: its persistent buffer
+    buffer: Tensor | None = None
     written: set[int] = field(default_factory=set)  # ZeRO-2: members whose gradient is in ``buffer``
 
 
@@ -154,9 +155,19 @@ class BucketQueue:
 
 class ReplicatedBuckets:
     """ZeRO-0: the replicas' mean gradient by one all-reduce per bucket, started during the window's last
-    backward. A bucket's gradients are copied into one buffer, reduced, and become views of it (their own
-    storage freed), as DDP's ``gradient_as_bucket_view``. The first window's backward order is recorded on
-    the group's first rank and, after that step, every rank rebuilds its buckets in it (as DDP does)."""
+    backward, in place in one buffer per bucket that lives as long as the buckets do (as DDP's reducer, with
+    ``gradient_as_bucket_view``): when backward has accumulated a parameter's first gradient of the window,
+    it is copied into its part of the bucket's buffer and ``.grad`` becomes that view (autograd's own tensor is
+    freed at once), so the window's later micro-batches accumulate in place and the reduction copies nothing.
+    A step allocates no gradient-sized buffer and touches no fresh memory beyond autograd's own gradients:
+    a buffer allocated afresh each step would cost what touching new pages costs (on the host, a page fault
+    per 4 KiB), a cost that grows with the model. A parameter without a gradient in the window keeps
+    ``.grad`` None until its bucket's reduction (zeros are sent for it). A backward with ``create_graph=True``
+    leaves ``.grad`` as autograd made it, with its graph (second-order training); its reduction copies it.
+
+    The first window's backward order is recorded on the group's first rank and, after that step, every rank
+    rebuilds its buckets in it (as DDP does). ``link=False`` (a pipeline, whose runner moves gradients
+    itself): ``.grad`` stays autograd's until the reduction copies it in."""
 
     def __init__(
         self,
@@ -169,10 +180,11 @@ class ReplicatedBuckets:
     ) -> None:
         self.params, self.names, self.bucket_bytes, self.group, self.queue = params, names, bucket_bytes, group, queue
         self.world = dist.get_world_size(group)
+        self.link = True
         self.buckets = self._plan(list(reversed(range(len(params)))))
         self.reduced: set[int] = set()  # parameter indices reduced in this window
         self.used = [False] * len(params)  # this rank had a gradient for it when its bucket was reduced
-        self.views: dict[int, Tensor] = {}  # each reduced parameter's view of its bucket (its .grad, if untouched)
+        self.views: dict[int, Tensor] = {}  # each parameter's view of its bucket's buffer (its .grad, if untouched)
         self._order: list[int] | None = []  # backward's order in the first window (None once applied)
         self._early = False  # a window was reduced during backward
         self.closed = False  # the window was reduced: any gradient until the next micro-batch arrives late
@@ -197,16 +209,45 @@ class ReplicatedBuckets:
                 members, size = [], 0
         return buckets
 
+    def _view(self, index: int) -> Tensor:
+        """``index``'s view of its bucket's buffer (the buffer, and every member's view, made at first use)."""
+        if index not in self.views:
+            bucket = self._bucket_of[index]
+            first = self.params[bucket.members[0]]
+            bucket.buffer = torch.empty(
+                sum(self.params[i].numel() for i in bucket.members), dtype=first.dtype, device=first.device
+            )
+            offset = 0
+            for i in bucket.members:
+                p = self.params[i]
+                self.views[i] = bucket.buffer[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+        return self.views[index]
+
+    @torch.no_grad()
+    def _take(self, index: int) -> bool:
+        """``index``'s gradient into its view (copied unless it is the view already); whether it had one."""
+        p = self.params[index]
+        view = self._view(index)
+        if p.grad is None:
+            return False
+        if p.grad is not view:
+            view.copy_(p.grad)
+            p.grad = view
+        return True
+
     def _accumulated(self, index: int, param: Tensor) -> None:
-        if not self.queue.armed:
-            return
-        if index in self.reduced or self.closed:  # its bucket is reduced or being reduced: this part would be lost
-            self.queue.late = self.queue.late or self.names[index]
-            return
-        if self._order is not None and index not in self._order:
-            self._order.append(index)
-        self._bucket_of[index].arrived.add(index)
-        self.queue.arrived()
+        if self.queue.armed:
+            if index in self.reduced or self.closed:  # its bucket is reduced or being reduced: this part is lost
+                self.queue.late = self.queue.late or self.names[index]
+                return
+            if self._order is not None and index not in self._order:
+                self._order.append(index)
+        if self.link and not torch.is_grad_enabled():  # create_graph=True: .grad keeps autograd's graph
+            self._take(index)
+        if self.queue.armed:
+            self._bucket_of[index].arrived.add(index)
+            self.queue.arrived()
 
     def complete(self, bucket: Bucket) -> bool:
         return all(i in bucket.arrived for i in bucket.members if self.params[i].requires_grad)
@@ -216,25 +257,24 @@ class ReplicatedBuckets:
 
     @torch.no_grad()
     def start_reduction(self, bucket: Bucket) -> Finish:
-        params = [self.params[i] for i in bucket.members]
-        for i, p in zip(bucket.members, params):
-            self.used[i] = p.grad is not None
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params])
-        for p in params:
-            p.grad = None  # freed now; the bucket's views replace them when the reduction is done
+        members = list(bucket.members)
+        for i in members:
+            self.used[i] = self._take(i)
+            if not self.used[i]:
+                self.views[i].zero_()  # this replica sends zeros for it
+            self.params[i].grad = None  # until the reduction is done: the buffer is in flight
+        flat = bucket.buffer
+        assert flat is not None
         work = dist.all_reduce(flat, group=self.group, async_op=True)
-        bucket_members = list(bucket.members)
         bucket.arrived = set()
-        self.reduced.update(bucket.members)
+        self.reduced.update(members)
 
         def finish() -> None:
             assert work is not None
             work.wait()
             flat.div_(self.world)
-            offset = 0
-            for i, p in zip(bucket_members, params):
-                p.grad = self.views[i] = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
+            for i in members:
+                self.params[i].grad = self.views[i]
 
         return finish
 
@@ -247,12 +287,14 @@ class ReplicatedBuckets:
 
     def after_window(self) -> None:
         """The step used the window's gradients. After the first window reduced during backward (the same
-        window on every rank), the buckets follow backward's order on the group's first rank."""
+        window on every rank), the buckets follow backward's order on the group's first rank, in new buffers
+        (a gradient still in an old one is copied over by the next backward or reduction)."""
         if self._early and self._order is not None:
             order = [self._order + [i for i in reversed(range(len(self.params))) if i not in self._order]]
             dist.broadcast_object_list(order, src=dist.get_global_rank(self.group, 0), group=self.group)
             self.buckets = self._plan(order[0])
             self._bucket_of = {i: b for b in self.buckets for i in b.members}
+            self.views = {}
             self.queue.replace(self, self.buckets)
             self._order = None
 

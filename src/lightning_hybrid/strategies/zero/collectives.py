@@ -78,10 +78,16 @@ def _chunks(lo: int, hi: int, world: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def reduce_to_owners(buffer: Tensor, pieces: list[Piece], group: dist.ProcessGroup) -> Pending:
+def reduce_to_owners(
+    buffer: Tensor, pieces: list[Piece], group: dist.ProcessGroup, pool: list[Tensor] | None = None
+) -> Pending:
     """Start summing ``buffer`` over the group's ranks, each piece on its owner only: once waited for, this
     rank's pieces of ``buffer`` hold the sum; what the other pieces hold then is unspecified (sent, or a
-    native reduce's scratch)."""
+    native reduce's scratch).
+
+    ``pool`` (gloo): receive buffers of earlier reductions, taken from it and put back when this one is done,
+    so that the reductions of a backward do not each touch fresh memory (the caller empties it when the
+    buffers are no longer wanted)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return Pending([])
@@ -107,7 +113,7 @@ def reduce_to_owners(buffer: Tensor, pieces: list[Piece], group: dist.ProcessGro
         return Pending([w for w in sends if w is not None])
     peers = [r for r in range(world) if r != rank]
     size = max(hi - lo for _, lo, hi in mine)
-    slots = [[buffer.new_empty(size) for _ in peers] for _ in range(2)]
+    slots = [[_take(pool, buffer, size) for _ in peers] for _ in range(2)]
 
     def receive(k: int) -> list[dist.Work | None]:
         t, lo, hi = mine[k]
@@ -125,8 +131,19 @@ def reduce_to_owners(buffer: Tensor, pieces: list[Piece], group: dist.ProcessGro
             for part in slots[k % 2]:  # in rank order
                 buffer[lo:hi].add_(part[: hi - lo])
             arriving = following
+        if pool is not None:
+            pool.extend(part for pair in slots for part in pair)
 
     return Pending([w for w in sends if w is not None], finish)
+
+
+def _take(pool: list[Tensor] | None, like: Tensor, numel: int) -> Tensor:
+    """A receive buffer of at least ``numel`` elements of ``like``'s dtype and device: from ``pool`` if one
+    fits, else a new one."""
+    for i, part in enumerate(pool or ()):
+        if part.numel() >= numel and part.dtype == like.dtype and part.device == like.device:
+            return pool.pop(i)  # type: ignore[union-attr]
+    return like.new_empty(numel)
 
 
 @torch.no_grad()

@@ -67,6 +67,7 @@ class FlatGradients(GroupGradients):
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
         self._dirty = False  # the buffer holds something since it was last zeroed
+        self._receive: list[Tensor] = []  # gloo's receive buffers of this backward's reductions, reused
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
@@ -106,7 +107,7 @@ class FlatGradients(GroupGradients):
         self._reopen()
         for i in bucket.members:  # a gradient that is not a view of the buffer (a schedule's own) goes in first
             self._take(i, self._buffer())
-        pending = reduce_to_owners(self.flat, bucket.owners, self.group)
+        pending = reduce_to_owners(self.flat, bucket.owners, self.group, pool=self._receive)
         bucket.arrived, bucket.started = set(), True
 
         def finish() -> None:
@@ -151,11 +152,13 @@ class FlatGradients(GroupGradients):
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
         self._zero()
+        self._receive.clear()
         super().after_step(shard)
 
     @torch.no_grad()
     def clear(self) -> None:
         self._zero()
+        self._receive.clear()
         for bucket in self.buckets:
             bucket.arrived, bucket.started = set(), False
         super().clear()

@@ -74,6 +74,7 @@ class ReplicatedGradients(GradientSync):
         self.queue.armed = closing and self._buckets is not None and not self._pipelined
         if self._buckets is not None:
             self._buckets.closed = False
+            self._buckets.link = not self._pipelined
 
     def after_backward(self) -> None:
         self.queue.end_backward()
