@@ -48,11 +48,15 @@ class ReplicatedGradients(GradientSync):
         self._index: dict[Tensor, int] = {}
         self._pipelined = False
         self._left: dict[int, Tensor | None] = {}  # what each parameter's .grad was when the pack last averaged it
+        self._optimizers: list[Optimizer] = []
+        # the step's agreement, started when the window's last backward ended (see after_backward)
+        self._agreement: tuple[list[int], Tensor, dist.Work | None] | None = None
 
     def attach(
         self, optimizers: list[Optimizer], names: dict[Tensor, str], user: UserGradientCode | None = None
     ) -> None:
         super().attach(optimizers, names, user)
+        self._optimizers = list(optimizers)
         if self.data_parallel_size == 1 or self.ties or self._buckets is not None:
             return
         params = list({id(p): p for o in optimizers for g in o.param_groups for p in g["params"]}.values())
@@ -77,7 +81,28 @@ class ReplicatedGradients(GradientSync):
             self._buckets.link = not self._pipelined
 
     def after_backward(self) -> None:
+        closing = self.queue.armed
         self.queue.end_backward()
+        self._finish_agreement()  # one left by a step that never came (every rank alike)
+        if closing and len(self._optimizers) == 1 and not self.user.reads_after_backward:
+            # no user code runs between here and the step's reduction (the same on every rank): what the step
+            # must agree on is known now, and its all-reduce runs while Lightning reaches the step, instead of
+            # being one more point where the replicas wait for each other
+            assert self._buckets is not None
+            optimizer = self._optimizers[0]
+            every = [p for group in optimizer.param_groups for p in group["params"]]
+            flags = self._flags(every, self._buckets.reduced, self._buckets.used)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group, async_op=True)
+            self._agreement = ([id(p) for p in every], flags, work)
+
+    def _finish_agreement(self) -> tuple[list[int], Tensor] | None:
+        if self._agreement is None:
+            return None
+        ids, flags, work = self._agreement
+        self._agreement = None
+        if work is not None:
+            work.wait()
+        return ids, flags
 
     def after_step(self, optimizer: Optimizer) -> None:
         super().after_step(optimizer)
@@ -90,15 +115,28 @@ class ReplicatedGradients(GradientSync):
             return
         every = [p for group in optimizer.param_groups for p in group["params"]]
         early, used = self._buckets.take() if self._buckets is not None else (set(), [])
+        agreed = self._finish_agreement()
+        if agreed is not None:  # started when backward ended, with no user code since (after_backward)
+            ids, flags = agreed
+            if ids != [id(p) for p in every]:  # cannot change without user code; every rank alike
+                raise RuntimeError("the optimizer's parameters changed between backward and its step")
+            self._apply(every, flags.tolist())
+            return
+        # its own collective, at the step: a gradient can still arrive late after backward's end (a backward in
+        # on_after_backward), on some ranks only, and every rank must refuse before any steps
+        self._average_flags(every, self._flags(every, early, used))
+
+    def _flags(self, every: list[Tensor], early: set[int], used: list[bool]) -> Tensor:
+        """Which of ``every`` this replica has a gradient for, which it needs averaged, and whether a gradient
+        arrived late, as the flags the replicas agree on (by their maximum)."""
         views = self._buckets.views if self._buckets is not None else {}
         # reduced during backward and untouched since: its bucket's view of the mean (whether this replica had
         # a part of it or sent zeros, ``used``); anything else this replica holds is averaged here
         reduced = [self._index.get(p, -1) in early and p.grad is views.get(self._index[p]) for p in every]
         has = [used[self._index[p]] if done else is_gradient(p.grad) for p, done in zip(every, reduced)]
         needs = [h and not done for h, done in zip(has, reduced)]
-        # its own collective, at the step: a gradient can still arrive late after backward's end (a backward in
-        # on_after_backward), on some ranks only, and every rank must refuse before any steps
-        self._average(every, has, needs, late=self.queue.late is not None)
+        late = self.queue.late is not None
+        return torch.tensor([*has, *needs, late], dtype=torch.uint8, device=self._comm_device)
 
     def settle(self, optimizer: Optimizer) -> None:
         if self.data_parallel_size == 1:
@@ -107,15 +145,19 @@ class ReplicatedGradients(GradientSync):
         has = [is_gradient(p.grad) for p in every]
         changed = [p.grad is not self._left.get(id(p)) for p in every]
         # a backward between the reduction and the step (in on_after_backward) added to this rank's mean only
-        self._average(every, has, changed, late=self.queue.late is not None)
+        late = self.queue.late is not None
+        flags = torch.tensor([*has, *changed, late], dtype=torch.uint8, device=self._comm_device)
+        self._average_flags(every, flags)
 
-    def _average(self, every: list[Tensor], has: list[bool], needs: list[bool], *, late: bool) -> None:
+    def _average_flags(self, every: list[Tensor], flags: Tensor) -> None:
         """Agree (one all-reduce) on which parameters any replica has a gradient for and which any replica
-        needs averaged; drop the gradients no replica has, average the others that need it (a replica without
-        one sends zeros)."""
-        flags = torch.tensor([*has, *needs, late], dtype=torch.uint8, device=self._comm_device)
+        needs averaged (``_flags``), then :meth:`_apply` it."""
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
-        values = flags.tolist()
+        self._apply(every, flags.tolist())
+
+    def _apply(self, every: list[Tensor], values: list[int]) -> None:
+        """Drop the gradients no replica has, average the others that any replica needs averaged (a replica
+        without one sends zeros); refuse a late gradient on every rank."""
         if values[-1]:  # on every rank alike, before any rank steps
             self.queue.raise_late(self.data_parallel_group, self._comm_device)
         n = len(every)
