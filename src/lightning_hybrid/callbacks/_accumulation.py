@@ -48,7 +48,15 @@ def can_switch(batch_idx: int, k_old: int, k_new: int) -> bool:
 
 @dataclass(frozen=True)
 class Ramp:
-    """``K`` from ``start`` to ``end`` over ``length`` units beginning at ``begin``, doubling or by +1."""
+    """``K`` from ``start`` to ``end`` over ``length`` units beginning at ``begin``, doubling or by +1.
+
+    Args:
+        start: ``K`` at ``begin`` (at least 1).
+        end: ``K`` from ``begin + length`` on (more than ``start``).
+        length: units (of the scheduler's ``unit``) the ramp takes, its steps spread evenly over them.
+        begin: the unit at which the ramp starts.
+        increments: ``"pow2"`` doubles ``K`` at each of its steps, ``"linear"`` adds 1.
+    """
 
     start: int
     end: int

@@ -40,7 +40,8 @@ class AccumulationScheduler(Callback):
         unit: ``"step"`` (optimizer steps taken), ``"epoch"``, ``"samples"`` (consumed samples over all
             data-parallel ranks), or ``"adaptive"`` (``K`` from the measured gradient noise scale).
         ramp: instead of ``schedule``: ``K`` from ``start`` to ``end`` over ``length`` units.
-        min_k, max_k: bounds of the adaptive ``K`` (powers of two in between; ``min_k >= 2`` to measure).
+        min_k: lower bound of the adaptive ``K`` (powers of two in between; ``min_k >= 2`` to measure).
+        max_k: upper bound of the adaptive ``K``.
         adapt_every: optimizer steps between adaptive changes (each at most x2 or /2).
         lr_scaling: multiply the LR by ``K / K0`` (``"linear"``) or its square root while ``K`` differs from
             the first ``K0``; applied around each optimizer step, so it composes with LR schedulers that set

@@ -40,7 +40,8 @@ class CausalLM(pl.LightningModule):
             model, initialised as ``AutoModelForCausalLM.from_config`` under the same seed), a dict of config
             fields with ``model_type``, or a model instance.
         attn_implementation: ``"eager"``, ``"sdpa"`` or ``"flex_attention"``; by default the config's.
-        lr, weight_decay: AdamW's, used when neither LightningCLI's ``optimizer:`` nor a subclass gives another.
+        lr: AdamW's learning rate, used when neither LightningCLI's ``optimizer:`` nor a subclass gives another.
+        weight_decay: AdamW's weight decay, likewise.
 
     Batches are dicts as ``transformers`` takes them: ``input_ids``, optional ``attention_mask`` (right or left
     padding) and optional ``labels`` (``-100`` ignored; without them, ``input_ids`` where the mask is 1). A

@@ -37,7 +37,13 @@ class TensorPartition:
 
     ``segments[param]``: ``(tensor, lo, hi)`` triples, elements ``lo:hi`` of ``param.view(-1)`` are part of
     tensor number ``tensor`` (``0 <= tensor < num_tensors``); elements in no segment (padding) are left
-    alone. Every rank of ``group`` holds the rest of those tensors, with the same numbering."""
+    alone. Every rank of ``group`` holds the rest of those tensors, with the same numbering.
+
+    Args:
+        segments: per optimizer parameter, its ``(tensor, lo, hi)`` triples.
+        num_tensors: how many model tensors the parameters hold parts of, over all ranks of ``group``.
+        group: the process group whose ranks hold the other parts (``None``: every tensor is whole here).
+    """
 
     segments: dict[Tensor, list[tuple[int, int, int]]]
     num_tensors: int
@@ -134,7 +140,8 @@ class LayerwiseOptimizer(Optimizer, metaclass=ABCMeta):
     A subclass implements :meth:`_prepare` (create and update the state with the gradient), :meth:`_update`
     (the direction, recomputable from the state) and :meth:`_apply` (the step, given the direction already
     scaled by each tensor's trust ratio). Tensors reach them local: a DTensor's shard. The
-    strategy calls :meth:`set_tensor_partition` when it shards the parameters this optimizer steps."""
+    strategy calls :meth:`set_tensor_partition` when it shards the parameters this optimizer steps. Its
+    constructor is ``torch.optim.Optimizer``'s."""
 
     _partition: TensorPartition | None = None
 
@@ -210,6 +217,13 @@ class LAMB(LayerwiseOptimizer):
     Norms are over whole tensors under every layout (see the module docstring). The state keys are Adam's
     (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints reshard like Adam's.
 
+    Args:
+        params: the parameters or parameter groups, as for any torch optimizer.
+        lr: the learning rate.
+        betas: Adam's ``(b1, b2)``.
+        eps: added to the second moment's root.
+        weight_decay: decoupled weight decay, inside the trust-ratio update ``u``.
+
     Example (LightningCLI YAML)::
 
         optimizer:
@@ -269,6 +283,14 @@ class LARS(LayerwiseOptimizer):
     (the 2017 paper writes its bound ``||g|| + weight_decay * ||w||``). The state key is SGD's
     (``momentum_buffer``), but the buffer holds ``lr`` times the update, so an SGD checkpoint's buffer is
     not interchangeable with it.
+
+    Args:
+        params: the parameters or parameter groups, as for any torch optimizer.
+        lr: the learning rate.
+        momentum: the momentum of ``buf``.
+        weight_decay: weight decay, added to the gradient in ``d``.
+        trust_coefficient: scales the trust ratio ``r``.
+        eps: added to the denominator of ``r``.
     """
 
     def __init__(

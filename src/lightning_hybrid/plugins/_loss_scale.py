@@ -31,7 +31,24 @@ Policy = Literal["adaptive", "dynamic", "hysteresis"]
 
 @dataclass(frozen=True)
 class LossScaleConfig:
-    """How the scale moves. Scales and factors are powers of two, so scaling is exact in floating point."""
+    """How the scale moves. Scales and factors are powers of two, so scaling is exact in floating point.
+
+    Args:
+        init_scale: the scale of the first step.
+        min_scale: the scale never goes below this (an overflow at it still skips the step).
+        max_scale: the scale never goes above this.
+        growth_factor: what the scale is multiplied by when it grows.
+        backoff_factor: what the scale is multiplied by after an overflow.
+        growth_interval: ``"dynamic"`` and ``"hysteresis"`` policies: steps without an overflow before the
+            scale grows.
+        hysteresis: ``"hysteresis"`` policy: the scale backs off at this many overflows since the last growth
+            (each overflowing step is still skipped).
+        min_headroom: ``"adaptive"`` policy: the scale shrinks when the largest scaled gradient comes closer
+            than this factor to fp16's largest value.
+        max_headroom: ``"adaptive"`` policy: the scale grows when every step since the last change kept more
+            headroom than this factor.
+        adapt_interval: ``"adaptive"`` policy: steps without an overflow between growths.
+    """
 
     init_scale: float = 2.0**16
     min_scale: float = 1.0

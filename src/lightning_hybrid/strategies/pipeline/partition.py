@@ -20,6 +20,13 @@ class PipelineSplit:
     consecutive blocks each stage holds) or ``split_points`` (the block indices at which stage 1, 2, ...
     begin). ``first_stage_extra`` / ``last_stage_extra`` add cost, in units of the mean block, to the first
     and last stage when balancing, for work the parameter count misses (embedding lookups, the loss).
+
+    Args:
+        layers_per_stage: the number of consecutive blocks of each stage, in stage order (summing to the
+            number of blocks).
+        split_points: the block indices at which stage 1, 2, ... begin (increasing).
+        first_stage_extra: cost added to the first stage when balancing, in units of the mean block.
+        last_stage_extra: cost added to the last stage when balancing, in units of the mean block.
     """
 
     layers_per_stage: Union[list[int], None] = None
