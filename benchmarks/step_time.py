@@ -1,6 +1,6 @@
 """Step time against model size: every ZeRO stage relative to Lightning's DDP on 1M to 100M parameters.
 
-    python benchmarks/step_time.py                          # 2 CPU processes (gloo, fp32), about 25 minutes
+    python benchmarks/step_time.py                          # 2 CPU processes (gloo, fp32), about 45 minutes
     python benchmarks/step_time.py --sizes 1 10 --shapes large --repeats 1     # a quick look
     python benchmarks/step_time.py --revision 3c821b3       # the same sweep with that revision's package
 
@@ -10,7 +10,8 @@ This sweep trains a residual MLP of about 1M, 10M, 30M and 100M parameters in tw
 
 - ``large``: two blocks of two bias-free matrices (``d -> 4d -> d``): a few large tensors;
 - ``small``: blocks of width 256 with a LayerNorm and biases: many small tensors, as a transformer's norms and
-  biases (six per block; 190 blocks at 100M).
+  biases (six per block; 57 blocks at 30M). Up to ``--small-max`` (30M): at 100M its second job needs more
+  than 12 GiB per rank.
 
 Per size and shape, K = 1 and 4 micro-batches per step, fused AdamW, each configuration against Lightning's
 DDP on the same model and data, interleaved step by step in the same processes (``overlap.py``'s rounds; its
@@ -296,6 +297,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every job (the order rotated)")
     parser.add_argument("--steps", type=int, default=7, help="optimizer steps per configuration (3 are warm-up)")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per micro-batch and rank")
+    parser.add_argument(
+        "--small-max", type=int, default=30,
+        help="largest size of the small-tensor shape: at 100M (1140 tensors) the second job's five Trainers at once"
+        " take more than 12 GiB per rank, past a 24 GiB machine",
+    )  # fmt: skip
     parser.add_argument("--revision", default=None, help="run on this git revision's package")
     parser.add_argument("--before", type=Path, default=None, help="an earlier run's JSON, drawn dashed")
     parser.add_argument(
@@ -332,6 +338,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for size in args.sizes:
         for shape in args.shapes:
+            if shape == "small" and size > args.small_max:
+                print(f"{SIZES.get(size, size)} small: left out (--small-max {args.small_max})", flush=True)
+                continue
             _sweep_one(args, base, size, shape, work, results)
             saved.write_text(json.dumps(results, indent=1))  # after each size: an interrupted sweep keeps it
     label = f"revision {args.revision}" if args.revision else "the working tree"

@@ -9,6 +9,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "lightning_hybrid"
 MARKER = "<!-- refusals: generated from the code when the site is built -->"
+RESULTS = "<!-- results: every benchmarks/results/*.txt, included when the site is built -->"
 
 
 def _text(node: ast.expr) -> str | None:
@@ -57,7 +58,16 @@ def _render(found: dict[str, list[tuple[str, str]]]) -> str:
     return "\n".join(lines)
 
 
+def _results(folder: Path = ROOT / "benchmarks" / "results") -> str:
+    parts = []
+    for path in sorted(folder.glob("*.txt")):
+        parts += [f"### `{path.name}`", "", "```text", path.read_text().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     if MARKER in markdown:
-        return markdown.replace(MARKER, _render(refusals()))
+        markdown = markdown.replace(MARKER, _render(refusals()))
+    if RESULTS in markdown:
+        markdown = markdown.replace(RESULTS, _results())
     return markdown

@@ -106,6 +106,9 @@ class ReplicatedGradients(GradientSync):
 
     def after_step(self, optimizer: Optimizer) -> None:
         super().after_step(optimizer)
+        # the step's gradients are dropped: holding them here would keep a re-planned bucket's old buffer alive
+        # through the next backward, the whole gradient twice
+        self._left = {}
         if self._buckets is not None:
             self._buckets.after_window()
 
