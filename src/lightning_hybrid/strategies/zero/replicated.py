@@ -66,6 +66,8 @@ class ReplicatedGradients(GradientSync):
             params, [names.get(p, "?") for p in params], bucket_bytes=self.bucket_bytes,
             group=self.data_parallel_group, queue=self.queue,
         )  # fmt: skip
+        # a pipeline's runner sets each micro-batch's gradients aside itself: .grad must stay autograd's there
+        self._buckets.link = not self._pipelined
 
     def watch_pipeline(
         self, stage_modules: list[nn.Module], *, weight_gradients_deferred: bool, inferring: Callable[[], bool]
@@ -73,6 +75,8 @@ class ReplicatedGradients(GradientSync):
         # the schedule's backward passes run inside training_step, and the runner sets this micro-batch's
         # gradients aside until Lightning's backward: the step reduces, as before
         self._pipelined = True
+        if self._buckets is not None:
+            self._buckets.link = False
 
     def window_closes(self, closing: bool) -> None:
         self.queue.armed = closing and self._buckets is not None and not self._pipelined
