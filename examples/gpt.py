@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
@@ -131,18 +133,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.n_head, self.head_dim = n_head, d_model // n_head
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # heads counted from the projections' width: a tensor-parallel rank holds n_head / T of them
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
 
 class Block(nn.Module):
@@ -266,6 +268,26 @@ class GPT(L.LightningModule):
                 nn.init.normal_(p, mean=0.0, std=std)
             elif pname.endswith("bias"):
                 nn.init.zeros_(p)
+
+    def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict:
+        """How each block splits over ``tensor_parallel_size`` ranks (Megatron's scheme): attention heads and
+        the MLP's hidden units column-wise in, row-wise out; a vocabulary-parallel token embedding and output
+        head (tied, when ``tie_embeddings``, as one split parameter); norms and positions whole."""
+        tp = self.device_mesh["tensor_parallel"].size()  # the strategy's mesh, as Lightning attaches it
+        if self.hparams.n_head % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide n_head ({self.hparams.n_head})")
+        if isinstance(block, TokenEmbedding):
+            return {"token": RowwiseParallel(input_layouts=Replicate())}
+        if isinstance(block, Block):
+            return {
+                "attn.q": ColwiseParallel(),
+                "attn.k": ColwiseParallel(),
+                "attn.v": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel(),
+            }
+        return {"head": ColwiseParallel(output_layouts=Replicate())}
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.layers(idx)

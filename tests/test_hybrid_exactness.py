@@ -70,7 +70,7 @@ def _run_layout(
 def test_every_schedule_matches_single_process(tmp_path, schedule):
     kwargs = {"pipeline_parallel_size": 2, "schedule": schedule, "num_microbatches": 4}
     job = _run_layout(tmp_path, kwargs, nproc=2)
-    assert job.rank(0)["layout"] == {"pp": 2, "dp": 1}
+    assert job.rank(0)["layout"] == {"pp": 2, "dp": 1, "tp": 1}
 
 
 @pytest.mark.multiproc

@@ -120,7 +120,8 @@ def test_one_layout_request_for_both_engines():
         ({"pipeline_parallel_size": None}, "pipeline_parallel_size must be an integer >= 1, got None; pass 'auto'"),
         ({"data_parallel_size": True}, "data_parallel_size must be an integer >= 1, got True"),
         ({"num_microbatches": 0}, "num_microbatches must be an integer >= 1 or None, got 0"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1 (tensor parallelism is not available yet)"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1, got 0"),
+        ({"tensor_parallel_size": 2, "engine": "deepspeed"}, "DeepSpeed's pipeline engine has no tensor parallelism"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             LayoutRequest(**bad)

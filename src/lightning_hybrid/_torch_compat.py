@@ -27,6 +27,7 @@ __all__ = [
     "init_optimizer_state",
     "mul_",
     "note_failed_fit",
+    "own_parameters",
     "post_accumulate_hooks",
     "tensor_hooks",
     "queue_backward_callback",
@@ -91,6 +92,15 @@ def post_accumulate_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:
     ``Tensor._post_accumulate_grad_hooks``, an ordered dict or None)."""
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
+
+
+def own_parameters(module: torch.nn.Module) -> dict[str, Any]:
+    """The parameters ``module`` registers itself, as the live dict (``nn.Module._parameters``): a value
+    replaced there keeps its key's position, so ``named_parameters()`` keeps its order."""
+    found = getattr(module, "_parameters", None)
+    if not isinstance(found, dict):
+        raise RuntimeError(f"torch {torch.__version__}: nn.Module keeps its parameters elsewhere; update the pack")
+    return found
 
 
 def mul_(tensors: list[Tensor], factor: float) -> None:

@@ -100,7 +100,10 @@ def main(cfg: dict[str, Any]) -> None:
         report["layout"] = {
             "pp": strategy.layout.pipeline_parallel_size,
             "dp": strategy.layout.data_parallel_size,
+            "tp": strategy.layout.tensor_parallel_size,
         }
+        # the elements of the parameters this rank stores (a DTensor's local part): what tensor parallelism splits
+        report["held_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
         report["sampler"] = strategy.distributed_sampler_kwargs
         report["reductions"] = strategy.reductions_started()
     if cfg.get("report_params"):  # this rank's values of the named parameters it holds (all names of a tie)

@@ -99,8 +99,9 @@ class LayoutRequest:
     A size is a positive integer or ``"auto"``: ``"auto"`` data parallelism (``None`` means the same) takes
     what the other degrees leave of the world; ``"auto"`` pipeline parallelism makes one stage per node (or,
     with a data-parallel size given, what that leaves). ``num_microbatches`` defaults to one per stage (1
-    without a pipeline); ``stages_per_rank`` to the schedule's own. ``tensor_parallel_size`` is a slot of the
-    mesh that is 1 (no tensor parallelism yet). ``engine`` says who runs the schedule: torch's schedules need
+    without a pipeline); ``stages_per_rank`` to the schedule's own. ``tensor_parallel_size`` ranks split each
+    block's matrices (the innermost mesh dimension; pipeline x data parallelism share what it leaves).
+    ``engine`` says who runs the schedule: torch's schedules need
     at least one micro-batch per pipeline rank, DeepSpeed's 1F1B does not. Checks that need no world size
     run here, at construction, on every rank; the rest in :meth:`resolve`.
     """
@@ -125,10 +126,13 @@ class LayoutRequest:
                 check_int(name, value, minimum=1, fix="pass 'auto' to derive it from the world size")
         check_int("num_microbatches", self.num_microbatches, minimum=1, optional=True)
         check_int("stages_per_rank", self.stages_per_rank, minimum=1, optional=True)
-        if self.tensor_parallel_size != 1:
+        check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.engine == "deepspeed" and self.tensor_parallel_size > 1:
             raise ValueError(
-                f"tensor_parallel_size must be 1 (tensor parallelism is not available yet), got"
-                f" {self.tensor_parallel_size!r}."
+                f"tensor_parallel_size={self.tensor_parallel_size}: DeepSpeed's pipeline engine has no tensor"
+                " parallelism. Use HybridParallelStrategy(tensor_parallel_size=..., pipeline_parallel_size=...,"
+                " zero_stage=...), which splits each block over tensor-parallel ranks inside its pipeline stages,"
+                " or tensor_parallel_size=1."
             )
 
     def resolve(self, *, world_size: int, num_nodes: int) -> Layout:
@@ -175,10 +179,20 @@ class Layout:
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         return global_rank // (dp * tp), (global_rank // tp) % dp, global_rank % tp
 
+    def rank_at(self, pp: int, dp: int, tp: int = 0) -> int:
+        """The global rank at mesh coordinates ``(pp, dp, tp)`` (the inverse of :meth:`coordinates`)."""
+        return (pp * self.data_parallel_size + dp) * self.tensor_parallel_size + tp
+
     def data_parallel_groups(self) -> list[list[int]]:
         """Every data-parallel group's global ranks, one group per pipeline and tensor-parallel coordinate."""
         pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
         return [[p * dp * tp + d * tp + t for d in range(dp)] for p in range(pp) for t in range(tp)]
+
+    def model_parallel_groups(self) -> list[list[int]]:
+        """Every group of ranks holding one whole model replica between them (pipeline x tensor-parallel
+        peers), one group per data-parallel coordinate."""
+        pp, dp, tp = self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size
+        return [[p * dp * tp + d * tp + t for p in range(pp) for t in range(tp)] for d in range(dp)]
 
     def mesh_shape(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The mesh's sizes and dimension names, row-major: data-parallel (and tensor-parallel) peers get
@@ -216,6 +230,8 @@ class Layout:
             f"pipeline_parallel_size={self.pipeline_parallel_size}, data_parallel_size={self.data_parallel_size},"
             f" zero_stage={self.zero_stage}"
         )
+        if self.tensor_parallel_size > 1:
+            text += f", tensor_parallel_size={self.tensor_parallel_size}"
         if self.pipeline_parallel_size > 1:
             text += f", schedule={self.schedule}, stages={self.num_stages}, num_microbatches={self.num_microbatches}"
         return text

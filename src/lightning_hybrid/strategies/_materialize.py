@@ -62,11 +62,11 @@ def materialize(
     device: torch.device,
     seed: int,
     init_block: Callable[[str, nn.Module], None] | None,
-    then: Callable[[nn.Module], None] | None = None,
+    then: Callable[[str, nn.Module], None] | None = None,
     loaded: bool = False,
 ) -> int:
-    """Allocate and initialise each meta ``(name, block)`` in turn on ``device``; ``then(block)`` right after
-    (e.g. shard it) before the next one. Returns how many blocks were materialised.
+    """Allocate and initialise each meta ``(name, block)`` in turn on ``device``; ``then(name, block)`` right
+    after (e.g. split and shard it) before the next one. Returns how many blocks were materialised.
 
     ``loaded``: every parameter and persistent buffer will be overwritten (``init_from``), so a submodule
     without ``reset_parameters()`` is left as allocated unless it has non-persistent buffers."""
@@ -83,7 +83,7 @@ def materialize(
                 _reset(name, block, loaded=loaded)
         block.to(device)
         if then is not None:
-            then(block)
+            then(name, block)
         count += 1
     return count
 
@@ -117,7 +117,7 @@ def materialize_module(
     *,
     device: torch.device,
     seed: int,
-    then: Callable[[nn.Module], None] | None,
+    then: Callable[[str, nn.Module], None] | None,
     loaded: bool = False,
     agree_on: torch.device | None = None,
 ) -> None:
@@ -142,7 +142,7 @@ def materialize_module(
 
 
 def _materialize_module(
-    module: nn.Module, *, device: torch.device, seed: int, then: Callable[[nn.Module], None] | None, loaded: bool
+    module: nn.Module, *, device: torch.device, seed: int, then: Callable[[str, nn.Module], None] | None, loaded: bool
 ) -> None:
     init_block = getattr(module, "init_block", None)  # the documented, optional hook of the module
     init_block = init_block if callable(init_block) else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -23,13 +24,15 @@ from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_loa
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.contract import check_pipeline_contract, find_ties
 from lightning_hybrid.strategies._checks import refuse_aliased_parameters
-from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, SCHEDULES, Layout
+from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, SCHEDULES, TP_AXIS, Layout
 from lightning_hybrid.strategies._materialize import has_meta_tensors, materialize_module, tied_on_meta
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss, counted_loss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies.pipeline.split import describe_stages, split_module, stage_ranges
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
+from lightning_hybrid.strategies.tensor.local import whole_on_every_rank
+from lightning_hybrid.strategies.tensor.plan import plan_blocks
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (
@@ -97,6 +100,8 @@ def prepare_module(
             " tied across pipeline stages), or tie the weights after the strategy set it up."
         )
     refuse_aliased_parameters(module, layout.zero_stage)  # on the whole module: every rank refuses alike
+    tensor_plans = plan_blocks(module, layout.tensor_parallel_size)  # read and checked before the cut
+    zero3 = layout.zero_stage == 3
     pipelined = layout.pipeline_parallel_size > 1
     if pipelined:
         check_pipeline_contract(module)
@@ -126,19 +131,29 @@ def prepare_module(
                 "activation_checkpointing=True needs pipeline stages to wrap; with pipeline_parallel_size=1 use"
                 " torch.utils.checkpoint inside the model."
             )
+    tp_mesh = mesh[TP_AXIS] if tensor_plans is not None else None
+
+    def split_and_shard(name: str, block: nn.Module) -> None:
+        if tensor_plans is not None:
+            tensor_plans.apply_block(name, block, tp_mesh, keep_dtensors=zero3)
+        if zero3:
+            plan.shard_block(block)
+
     if meta_built:
-        # built on the meta device: this rank's blocks only, one at a time (sharded at once under ZeRO-3)
+        # built on the meta device: this rank's blocks only, one at a time (split and sharded at once)
         materialize_module(
             module,
             device=device,
             seed=agreed_seed(),
-            then=plan.shard_block if layout.zero_stage == 3 else None,
+            then=split_and_shard if zero3 or tensor_plans is not None else None,
             loaded=pretrained is not None,
             agree_on=device,
         )
     module = precision_plugin.convert_module(module)
     module.to(device)
     make_replicas_identical(module, mesh.get_group(DP_AXIS))  # as DDP does when it wraps the model
+    if tensor_plans is not None:  # after the replicas agree, before ZeRO-3 shards the tensor-parallel slices
+        tensor_plans.apply(module, tp_mesh, keep_dtensors=zero3)
     units = None
     if layout.zero_stage == 3:
         shard_fully(module, stages=stages, plan=plan)
@@ -169,6 +184,13 @@ def prepare_module(
         ties=TiedGradients(ties, module, ranges=ranges, layout=layout, mesh=mesh, device=device),
         units=units,
     )
+    if tensor_plans is not None:  # the global norm counts a parameter every tensor-parallel rank holds once
+        model_group, _ = dist.new_subgroups_by_enumeration(layout.model_parallel_groups())
+        sync.count_tensor_parallel(
+            whole_on_every_rank(module, TP_AXIS),
+            first=mesh.get_local_rank(TP_AXIS) == 0,
+            model_parallel_group=model_group,
+        )
     if runner is not None:  # the schedule runs the stages' backward passes
         deferred = SCHEDULES[layout.schedule].splits_weight_grad
         sync.watch_pipeline(stages, weight_gradients_deferred=deferred, inferring=lambda: runner.inferring)

@@ -44,6 +44,7 @@ from lightning_hybrid.checkpoint._sharded import (
     save_sharded_checkpoint,
 )
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
+from lightning_hybrid.strategies.tensor.local import plain, state_name, tensor_slices, whole
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync
 
@@ -58,7 +59,7 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def model_state(module: nn.Module, sync: GradientSync, names: CheckpointNames) -> dict[str, Any]:
-    state = get_model_state_dict(module)
+    state = whole(get_model_state_dict(module), tensor_slices(module))  # tensor-parallel slices: unsplit names
     # ZeRO-1/2: each replica saves its slice of the parameters instead of all of them
     state.update({k: v for k, v in sync.parameter_shards().items() if k in state})
     return names.to_store(state)
@@ -68,7 +69,10 @@ def optimizer_state(
     module: nn.Module, optimizer: Optimizer, sync: GradientSync, names: CheckpointNames
 ) -> dict[str, Any]:
     sharded = sync.sharded_optimizer(optimizer)
-    flat = sharded.flat_state_dict() if sharded is not None else _unstepped_state_dict(module, optimizer)
+    if sharded is not None:
+        flat = sharded.flat_state_dict()
+    else:
+        flat = whole(_unstepped_state_dict(module, optimizer), tensor_slices(module), state_name)
     name_of = {id(p): n for n, p in module.named_parameters()}
     for index, group in enumerate(optimizer.param_groups):  # the model's parameters, outside the step
         for p in group["params"]:
@@ -218,7 +222,8 @@ def load_sharded_checkpoint(
 
     # the model: DCP reshards whatever layout wrote it into this rank's tensors (plain or DTensor)
     # (a tied parameter held under another name than its first is read from where it is stored)
-    current, model_back = names.to_read(get_model_state_dict(module))
+    slices = tensor_slices(module)  # tensor-parallel slices are read as parts of the unsplit tensors
+    current, model_back = names.to_read(whole(get_model_state_dict(module), slices))
     missing = [k for k in current if f"state_dict.{k}" not in saved]
     meta = read_meta(path)  # tensors and plain values only: loading a checkpoint never runs code
     written = CheckpointNames.from_json((meta.get(LAYOUT_KEY) or {}).get("tied_parameters", []))
@@ -261,10 +266,10 @@ def load_sharded_checkpoint(
             to_load[f"optimizer_{idx}"] = template[0]
     read_sharded(path, to_load)
 
-    model = {model_back[k]: v for k, v in to_load["state_dict"].items()}
+    model = plain({model_back[k]: v for k, v in to_load["state_dict"].items()}, slices)
     set_model_state_dict(module, model, options=StateDictOptions(strict=False))
     for idx, (_template, back) in templates.items():
-        local = {back[k]: v for k, v in to_load[f"optimizer_{idx}"].items()}
+        local = plain({back[k]: v for k, v in to_load[f"optimizer_{idx}"].items()}, slices, state_name)
         sharded = sync.sharded_optimizer(optimizers[idx])
         if sharded is not None:
             sharded.load_parameters_into_shards()
@@ -325,7 +330,8 @@ def _optimizer_template(
     """This rank's part of the flat, name-keyed optimizer state, keyed and shaped as the checkpoint stores it,
     and the way back to this rank's keys."""
     if sharded is None:
-        current, back = names.to_read(get_optimizer_state_dict(module, optimizer, options=_FLAT))
+        flat = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+        current, back = names.to_read(whole(flat, tensor_slices(module), state_name))
         return {k: v for k, v in current.items() if f"{prefix}.{k}" in saved}, back
     # the parameter each stored name stands for here (a tied one may be held under another name)
     local = {names.stored_key(n): n for g in sharded.groups for n in g.names}

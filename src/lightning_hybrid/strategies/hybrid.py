@@ -67,9 +67,9 @@ log = logging.getLogger(__name__)
 class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, ShardedCheckpointIO, ModelParallelStrategy):
     """Pipeline parallelism across ranks x ZeRO-1/2/3 sharding inside each stage's data-parallel group.
 
-    The ranks form a ``(pipeline_parallel, data_parallel)`` device mesh with data-parallel ranks adjacent,
-    so a data-parallel group stays inside a node. With ``pipeline_parallel_size > 1`` the LightningModule
-    must follow the pipeline contract: its blocks, in order, in ``self.layers``; a
+    The ranks form a ``(pipeline_parallel, data_parallel[, tensor_parallel])`` device mesh, innermost ranks
+    adjacent, so tensor- and data-parallel groups stay inside a node. With ``pipeline_parallel_size > 1`` the
+    LightningModule must follow the pipeline contract: its blocks, in order, in ``self.layers``; a
     ``pipeline_loss(output, target)`` returning the micro-batch mean; optionally ``pipeline_batch(batch) ->
     (inputs, target)``. With ``pipeline_parallel_size=1`` any LightningModule works (DDP-like or ZeRO).
 
@@ -77,6 +77,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         pipeline_parallel_size: number of pipeline ranks; ``"auto"`` puts one pipeline rank on each node.
         data_parallel_size: ranks that replicate (or shard) each stage; ``"auto"`` (or ``None``) takes the rest
             of the world.
+        tensor_parallel_size: ranks that split each block's matrices (the innermost mesh dimension, so keep it
+            within a node); the module says how with ``tensor_parallel_plan(name, block)``.
         zero_stage: sharding inside each data-parallel group: 0 replicates, 1 shards optimizer state, 2 also
             gradients, 3 also parameters (FSDP2).
         schedule: the torch pipeline schedule.
@@ -112,6 +114,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         *,
         pipeline_parallel_size: Union[int, Literal["auto"]] = 1,
         data_parallel_size: Union[int, Literal["auto"], None] = "auto",
+        tensor_parallel_size: int = 1,
         zero_stage: Literal[0, 1, 2, 3] = 0,
         schedule: ScheduleName = "1f1b",
         num_microbatches: Union[int, None] = None,
@@ -132,6 +135,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
             schedule=schedule,
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
+            tensor_parallel_size=tensor_parallel_size,
         )
         super().__init__(
             data_parallel_size=self._request.data_parallel_size,
@@ -178,7 +182,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
     @property
     @override
     def device_mesh(self) -> DeviceMesh:
-        """The ``(pipeline_parallel, data_parallel)`` mesh, known once the processes are initialised."""
+        """The ``(pipeline_parallel, data_parallel[, tensor_parallel])`` mesh, known once the processes are
+        initialised."""
         return known(self._mesh, "The device mesh is known once the processes are initialised (setup_environment).")
 
     @property

@@ -80,6 +80,8 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
         data_parallel_size: replicas of the pipeline; ``"auto"`` (the default) or ``None``: the rest of the
             world.
         zero_stage: 0 or 1 (DeepSpeed refuses ZeRO-2/3 with a pipeline).
+        tensor_parallel_size: 1; DeepSpeed's pipeline engine has no tensor parallelism (above 1 is refused,
+            pointing to HybridParallelStrategy).
         config: a DeepSpeed config (a dict or the path of a JSON file) for everything Lightning does not own.
         partition_method: how DeepSpeed balances blocks over stages: ``"parameters"``, ``"uniform"`` or
             ``"type:REGEX"``.
@@ -114,6 +116,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
         num_microbatches: Union[int, None] = None,
         data_parallel_size: Union[int, Literal["auto"], None] = "auto",
         zero_stage: Literal[0, 1] = 0,
+        tensor_parallel_size: int = 1,
         config: Union[dict[str, Any], str, os.PathLike, None] = None,
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
@@ -128,6 +131,7 @@ class DeepSpeedPipelineStrategy(ParallelLayout, EngineStep, ShardedCheckpointIO,
             data_parallel_size=data_parallel_size,
             zero_stage=zero_stage,
             num_microbatches=num_microbatches,
+            tensor_parallel_size=tensor_parallel_size,  # above 1: refused, with what to use
             engine="deepspeed",
         )
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)

@@ -155,10 +155,10 @@ class PipelineRunner:
                 loss = self.loss_scaling.unscale_pipeline_loss(loss)
             loss = loss * divisor  # the micro-batches' mean of the losses themselves
         try:
-            dist.all_reduce(loss)  # one value per replica's last stage: sum, then the replicas' mean
+            dist.all_reduce(loss)  # one value per replica's last stage (x its tensor-parallel ranks): the mean
         except Exception as exc:  # a stage of another replica failed
             raise self.failures.failed(exc) from exc
-        loss = loss / self.layout.data_parallel_size
+        loss = loss / (self.layout.data_parallel_size * self.layout.tensor_parallel_size)
         return loss, output if self.holds_last_stage else None, target
 
     def _counted_mean(self) -> Tensor:
@@ -171,7 +171,7 @@ class PipelineRunner:
             both[1] = torch.stack(counts).sum()
         dist.all_reduce(both)
         self._parts = []
-        self.last_count = float(both[1])
+        self.last_count = float(both[1]) / self.layout.tensor_parallel_size  # tensor-parallel ranks count alike
         return (both[0] / both[1].clamp_min(1.0)).float()
 
     def train_step(self, batch: Any, *, accumulation: int, set_aside: bool) -> Tensor:

@@ -104,7 +104,7 @@ class _Held:
 class TiedGradients:
     """Sums the gradient of each parameter tied across pipeline ranks over the ranks that hold it.
 
-    One process group per tie and data-parallel index (the holders at that index); every rank creates
+    One process group per tie and data- and tensor-parallel index (the holders at that index); every rank creates
     every group, in the same order, as ``torch.distributed.new_group`` requires."""
 
     def __init__(
@@ -120,7 +120,7 @@ class TiedGradients:
         self._held: list[_Held] = []
         self._spanning = 0  # ties held by several pipeline ranks: the same number on every rank
         self._device = device
-        pp_rank, dp_rank = (int(i) for i in mesh.get_coordinate() or (0, 0))
+        pp_rank, dp_rank, tp_rank = layout.coordinates(dist.get_rank())
         params = dict(module.named_parameters(remove_duplicate=False))
         for tie in ties:
             holders = holder_ranks(tie, ranges, layout)
@@ -129,10 +129,10 @@ class TiedGradients:
             self._spanning += 1
             mine = None
             for dp in range(layout.data_parallel_size):
-                ranks = [int(mesh.mesh[pp, dp]) for pp in holders]
-                group = dist.new_group(ranks)
-                if dp == dp_rank and pp_rank in holders:
-                    mine = group
+                for tp in range(layout.tensor_parallel_size):  # each tensor-parallel slice sums with its own
+                    group = dist.new_group([layout.rank_at(pp, dp, tp) for pp in holders])
+                    if (dp, tp) == (dp_rank, tp_rank) and pp_rank in holders:
+                        mine = group
             if mine is not None:
                 name = next(n for n in tie.names if n in params)
                 first = _rank_of_block(tie.blocks[0], ranges, layout)
@@ -141,7 +141,7 @@ class TiedGradients:
                 # the copies start equal, whatever filled them (a seed, init_from keys): the first name's value
                 with torch.no_grad():
                     value = held.param.to_local() if isinstance(held.param, DTensor) else held.param
-                    dist.broadcast(value, src=int(mesh.mesh[first, dp_rank]), group=mine)
+                    dist.broadcast(value, src=layout.rank_at(first, dp_rank, tp_rank), group=mine)
 
     def __bool__(self) -> bool:
         return bool(self._held)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_hybrid.checkpoint._flat_shards import FlatShard, flat_index, view_boxes
 from lightning_hybrid.checkpoint._sharded import GROUP_INDEX
+from lightning_hybrid.strategies.tensor.local import local_boxes, local_part, whole_boxes, whole_shape
 
 if TYPE_CHECKING:
     from lightning_hybrid.strategies.zero.flat_optimizer import _Chunk
@@ -46,7 +47,7 @@ class FlatStateDict:
                         boxes = []
                         for c in mine:
                             boxes += view_boxes(p.shape, base + c.start - off, state[c.tensor][key].reshape(-1))
-                        out[f"state.{name}.{key}"] = FlatShard(torch.Size(p.shape), first.dtype, boxes)
+                        out[f"state.{name}.{key}"] = _whole_shard(p, first.dtype, boxes)
                     else:
                         out[f"state.{name}.{key}"] = first.clone() if isinstance(first, Tensor) else first
             for key, value in g.settings.items():
@@ -65,7 +66,7 @@ class FlatStateDict:
             for p, name, off in zip(g.params, g.names, g.offsets):
                 lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
                 boxes = view_boxes(p.shape, lo - off, local[lo - base : hi - base]) if lo < hi else []
-                out[name] = FlatShard(torch.Size(p.shape), p.dtype, boxes)
+                out[name] = _whole_shard(p, p.dtype, boxes)
         return out
 
     def state_template(self, name: str, shape: torch.Size, dtype: torch.dtype, key: str = "") -> FlatShard | None:
@@ -77,7 +78,7 @@ class FlatStateDict:
             return None
         g, i = self._where[name]
         p, off = g.params[i], g.offsets[i]
-        if tuple(shape) != tuple(p.shape):
+        if tuple(shape) != tuple(whole_shape(p)):  # the unsplit shape, as checkpoints hold it
             return None
         slot = (id(g), key, dtype)
         local = self._templates.get(slot)
@@ -87,7 +88,7 @@ class FlatStateDict:
         base = self.rank * g.shard_numel
         lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
         boxes = view_boxes(p.shape, lo - off, local[lo - base : hi - base]) if lo < hi else []
-        return FlatShard(torch.Size(p.shape), dtype, boxes)
+        return _whole_shard(p, dtype, boxes)
 
     @torch.no_grad()
     def load_flat_state_dict(self, flat: dict[str, Any]) -> None:
@@ -113,7 +114,7 @@ class FlatStateDict:
                 for c in (c for c in g.chunks if c.index == i):
                     state: dict[str, Any] = {}
                     for key, value in entries.items():
-                        shaped = isinstance(value, (Tensor, FlatShard)) and tuple(value.shape) == tuple(p.shape)
+                        shaped = isinstance(value, (Tensor, FlatShard)) and tuple(value.shape) == tuple(whole_shape(p))
                         if shaped and (p.dim() > 0 or key not in scalar_keys):  # per element
                             buffer = self._templates.get((id(g), f"state.{key}", value.dtype))
                             if isinstance(value, FlatShard) and buffer is not None:
@@ -138,7 +139,7 @@ class FlatStateDict:
             where = self._where.get(name)
             if where is None or where[0].params[where[1]].dim() == 0:
                 continue
-            shape = tuple(where[0].params[where[1]].shape)
+            shape = tuple(whole_shape(where[0].params[where[1]]))
             keys.update(
                 k for k, v in entries.items() if not isinstance(v, (Tensor, FlatShard)) or tuple(v.shape) != shape
             )
@@ -169,11 +170,17 @@ def _piece(value: Any, p: Tensor, start: int, numel: int) -> Tensor:
     if isinstance(value, FlatShard):
         out = torch.empty(numel, dtype=value.dtype)
         stop = start + numel
-        for offsets, box in value.boxes:
+        for offsets, box in local_boxes(p, value.boxes):
             lo = flat_index(p.shape, offsets)
             hi = lo + box.numel()
             a, b = max(lo, start), min(hi, stop)
             if a < b:
                 out[a - start : b - start].copy_(box.reshape(-1)[a - lo : b - lo])
         return out.to(p.device)
-    return value.reshape(-1)[start : start + numel].clone().to(p.device)
+    return local_part(p, value).reshape(-1)[start : start + numel].clone().to(p.device)
+
+
+def _whole_shard(param: Tensor, dtype: torch.dtype, boxes: list[tuple[tuple[int, ...], Tensor]]) -> FlatShard:
+    """A FlatShard of ``param``'s boxes, in the unsplit tensor's shape and offsets (tensor parallelism)."""
+    shape, boxes = whole_boxes(param, boxes)
+    return FlatShard(shape, dtype, boxes)

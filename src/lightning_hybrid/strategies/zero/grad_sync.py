@@ -63,6 +63,19 @@ class GradientSync:
         self._windows_reduced: set[int] = set()  # optimizers whose window was reduced and not stepped yet
         self.user = UserGradientCode()
         self.outside: OutsideOptimizers | None = None  # trainable parameters no optimizer holds (ZeRO-0/1/2)
+        # tensor parallelism: parameters every tensor-parallel rank holds whole (counted on its first rank
+        # only), and the group of ranks that hold one model replica between them (pipeline x tensor)
+        self._whole_on_tp: list[nn.Parameter] = []
+        self._counts_whole = True
+        self.model_parallel_group: dist.ProcessGroup | None = None
+
+    def count_tensor_parallel(
+        self, whole: list[nn.Parameter], *, first: bool, model_parallel_group: dist.ProcessGroup
+    ) -> None:
+        """Tensor parallelism: ``whole`` are the parameters each tensor-parallel rank holds all of; their
+        gradients count in the global norm on the ``first`` tensor-parallel rank only."""
+        self._whole_on_tp, self._counts_whole = whole, first
+        self.model_parallel_group = model_parallel_group
 
     # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
     # between a pipeline's training_step and backward: then the pipeline runner sets them aside
@@ -183,13 +196,18 @@ class GradientSync:
     def grad_norm(self, grads: Iterable[Tensor]) -> Tensor:
         """L2 norm of the whole model's gradient; identical on every rank (one all-reduce)."""
         grads = list(grads)
+        given = {id(g) for g in grads}
+        # tensor parallelism: a gradient every tensor-parallel rank holds whole counts on the first one only
+        skip = set()
+        if not self._counts_whole:
+            skip = {id(g) for p in self._whole_on_tp for g in self._gradient_parts(p, given)}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
-            total += local(g).detach().float().pow(2).sum()
+            if id(g) not in skip:
+                total += local(g).detach().float().pow(2).sum()
         # a parameter tied across stages has the same (summed) gradient on each: count it on its first stage
-        given = {id(g) for g in grads}
         for param in self.ties.copies() if self.ties else []:
-            for part in self._gradient_parts(param, given):
+            for part in (g for g in self._gradient_parts(param, given) if id(g) not in skip):
                 square = local(part).detach().float().pow(2).sum()
                 total -= torch.where(square.isfinite(), square, 0.0)  # inf stays inf (the first stage has it too)
         dist.all_reduce(total, group=self._norm_group)

@@ -196,7 +196,8 @@ class ReplicatedGradients(GradientSync):
 
     @property
     def _norm_group(self) -> dist.ProcessGroup | None:
-        return self.pipeline_group  # replicas hold the same gradients: add the stages only
+        # replicas hold the same gradients: add the stages (and tensor-parallel slices) of one replica only
+        return self.model_parallel_group or self.pipeline_group
 
     def gradient_holders(self) -> int:
         return self.data_parallel_size

@@ -1,0 +1,228 @@
+"""Tensor-parallel parameters held as this rank's slices: plain tensors outside forward, DTensors inside it.
+
+``parallelize_module`` leaves each split parameter a DTensor on the tensor-parallel mesh. Everything the
+pack does around a step (ZeRO-0/1/2 buckets and flat shards, the optimizer, gradient clipping, checkpoints)
+works on plain tensors, so each such parameter is replaced by a plain ``nn.Parameter`` holding this rank's
+slice, which records where that slice lies in the whole tensor (:class:`TensorSlice`). Around each forward of
+the module that owns it, the module sees a DTensor made from the slice (``DTensor.from_local``, differentiable),
+so torch's parallel styles run unchanged and the gradient arrives on the plain parameter as this rank's slice
+of the whole gradient (a replicated parameter's gradient summed over the tensor-parallel group, where the
+style left it partial). This is the composition torch itself uses under DDP
+(``torch.distributed.tensor.parallel.ddp``), done here without re-creating parameters after each forward.
+The DTensor is put in the module's instance dictionary, where it shadows the parameter for attribute
+lookups only: ``named_parameters``, ``state_dict`` and their order stay the plain parameters'.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from lightning_hybrid._torch_compat import own_parameters
+
+__all__ = [
+    "TensorSlice",
+    "local_boxes",
+    "local_part",
+    "localize",
+    "plain",
+    "state_name",
+    "tensor_slice",
+    "tensor_slices",
+    "whole",
+    "whole_boxes",
+    "whole_on_every_rank",
+    "whole_shape",
+]
+
+_ATTRIBUTE = "lightning_hybrid_tensor_slice"  # set on each localized parameter
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Where a rank's local parameter lies in the whole tensor: torch's placements on the tensor-parallel
+    mesh, and the whole tensor's shape and stride."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @property
+    def dim(self) -> int | None:
+        """The dimension the tensor is split along, or ``None`` when every rank holds all of it."""
+        for placement in self.placements:
+            if isinstance(placement, Shard):
+                return placement.dim % len(self.shape)
+        return None
+
+    def origin(self) -> tuple[int, ...]:
+        """The whole tensor's index of this rank's first element (torch's even chunks: ``ceil(n / T)``)."""
+        origin = [0] * len(self.shape)
+        if self.dim is not None:
+            chunk = math.ceil(self.shape[self.dim] / self.mesh.size())
+            origin[self.dim] = min(chunk * self.mesh.get_local_rank(), self.shape[self.dim])
+        return tuple(origin)
+
+    def as_dtensor(self, local: Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def tensor_slice(param: Tensor) -> TensorSlice | None:
+    """The :class:`TensorSlice` of a localized tensor-parallel parameter, ``None`` for any other tensor."""
+    return getattr(param, _ATTRIBUTE, None)
+
+
+def tensor_slices(module: nn.Module) -> dict[str, TensorSlice]:
+    """Every localized parameter of ``module`` by name (tied ones under each of their names)."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        found = tensor_slice(p)
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def localize(module: nn.Module) -> int:
+    """Replace every DTensor parameter of ``module`` (and its submodules) by a plain parameter holding this
+    rank's slice, in place and in the same position; each owning module sees the DTensor during its forward.
+    Returns how many parameters were localized."""
+    count = 0
+    for owner in module.modules():
+        names = []
+        own = own_parameters(owner)
+        for name, p in list(own.items()):
+            if not isinstance(p, DTensor):
+                continue
+            plain = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+            setattr(plain, _ATTRIBUTE, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
+            own[name] = plain  # the same key: named_parameters keeps its order
+            names.append(name)
+        if names:
+            owner.register_forward_pre_hook(_DTensorView(tuple(names)))
+            owner.register_forward_hook(_PlainAgain(tuple(names)), always_call=True)
+            count += len(names)
+    return count
+
+
+class _DTensorView:
+    """Forward pre-hook: the module's split parameters as DTensors for the length of its forward."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        for name in self.names:
+            p = own_parameters(module)[name]
+            found = tensor_slice(p) if p is not None else None
+            if found is not None:
+                vars(module)[name] = found.as_dtensor(p)
+
+
+class _PlainAgain:
+    """Forward hook: attribute lookups find the plain parameters again."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        for name in self.names:
+            vars(module).pop(name, None)
+
+
+def whole(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any = None) -> dict[str, Any]:
+    """``values`` with each tensor-parallel entry as a DTensor of the whole tensor (sharing the local
+    storage), so torch DCP writes and reads every rank's slice under the unsplit name and shape. A key's
+    parameter is ``name_of(key)`` (default: the key itself); entries of another shape (a scalar state) stay."""
+    out = dict(values)
+    for key, value in values.items():
+        found = slices.get(name_of(key) if name_of else key)
+        if found is not None and isinstance(value, Tensor) and not isinstance(value, DTensor):
+            local_shape = _local_shape(found)
+            if tuple(value.shape) == local_shape:
+                out[key] = found.as_dtensor(value)
+    return out
+
+
+def plain(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any = None) -> dict[str, Any]:
+    """The inverse of :func:`whole` after a read: the tensor-parallel entries as this rank's slices (other
+    DTensors, ZeRO-3's, stay)."""
+    return {
+        k: v.to_local() if isinstance(v, DTensor) and (name_of(k) if name_of else k) in slices else v
+        for k, v in values.items()
+    }
+
+
+def local_boxes(param: Tensor, boxes: list[tuple[tuple[int, ...], Tensor]]) -> list[tuple[tuple[int, ...], Tensor]]:
+    """The inverse of :func:`whole_boxes`: offsets in the unsplit tensor back to ``param``'s local ones."""
+    found = tensor_slice(param)
+    if found is None:
+        return boxes
+    origin = found.origin()
+    return [(tuple(o - d for o, d in zip(offsets, origin)), box) for offsets, box in boxes]
+
+
+def local_part(param: Tensor, value: Tensor) -> Tensor:
+    """This rank's slice of ``value``, a tensor of ``param``'s unsplit shape (itself when not split)."""
+    found = tensor_slice(param)
+    if found is None or found.dim is None:
+        return value
+    return value.narrow(found.dim, found.origin()[found.dim], param.shape[found.dim])
+
+
+def whole_shape(param: Tensor) -> torch.Size:
+    """The unsplit shape of ``param`` (its own for a parameter tensor parallelism does not split)."""
+    found = tensor_slice(param)
+    return found.shape if found is not None else torch.Size(param.shape)
+
+
+def state_name(key: str) -> str:
+    """The parameter name of a flat optimizer-state key (``state.<name>.<key>``, ``param_groups.<name>.<key>``)."""
+    return key.partition(".")[2].rpartition(".")[0]
+
+
+def whole_boxes(
+    param: Tensor, boxes: list[tuple[tuple[int, ...], Tensor]]
+) -> tuple[torch.Size, list[tuple[tuple[int, ...], Tensor]]]:
+    """The whole tensor's shape and ``boxes`` (offsets in ``param``'s local shape) moved to the whole tensor's
+    offsets: a flat shard of a tensor-parallel slice is then a set of chunks of the unsplit tensor."""
+    found = tensor_slice(param)
+    if found is None:
+        return torch.Size(param.shape), boxes
+    origin = found.origin()
+    return found.shape, [(tuple(o + d for o, d in zip(offsets, origin)), box) for offsets, box in boxes]
+
+
+def _local_shape(found: TensorSlice) -> tuple[int, ...]:
+    shape = list(found.shape)
+    if found.dim is not None:
+        n, parts, rank = shape[found.dim], found.mesh.size(), found.mesh.get_local_rank()
+        chunk = math.ceil(n / parts)
+        shape[found.dim] = max(0, min(n, chunk * (rank + 1)) - chunk * rank)
+    return tuple(shape)
+
+
+def whole_on_every_rank(module: nn.Module, axis: str) -> list[nn.Parameter]:
+    """The parameters of ``module`` that every tensor-parallel rank holds all of: not split by the plan, or
+    split as ``Replicate`` (a row-wise layer's bias); a DTensor on a mesh with the tensor-parallel dimension
+    ``axis`` (ZeRO-3 on top) counts by its placement there."""
+    out = []
+    for p in module.parameters():
+        found = tensor_slice(p)
+        if found is not None:
+            split = found.dim is not None
+        elif isinstance(p, DTensor) and axis in (p.device_mesh.mesh_dim_names or ()):
+            split = isinstance(p.placements[p.device_mesh.mesh_dim_names.index(axis)], Shard)
+        else:
+            split = False
+        if not split:
+            out.append(p)
+    return out

@@ -1,0 +1,160 @@
+"""How each block splits over the tensor-parallel ranks: the module's plan, checked on the whole module, applied
+to this rank's blocks.
+
+A LightningModule trained with ``tensor_parallel_size > 1`` defines ``tensor_parallel_plan(self, name, block)``
+returning torch's parallel styles (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``PrepareModuleInput`` / ``PrepareModuleOutput``) keyed by submodule names inside the block (``fnmatch``
+patterns per name level, as ``parallelize_module`` reads them), ``{}`` for a block kept whole on every
+tensor-parallel rank on purpose. The blocks are the children of ``self.layers``; a module without
+``self.layers`` is one block named ``""`` whose plan is keyed by its full submodule names. The plans are
+read and checked on the whole module before the pipeline cuts it, so every rank gives the same verdict; each
+rank then applies ``parallelize_module`` to its own blocks on the tensor-parallel mesh, after they are
+materialised and before ZeRO shards them (the order torchtitan uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatch
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from lightning_hybrid.strategies.tensor.local import localize
+
+__all__ = ["TensorPlans", "plan_blocks"]
+
+Plan = dict[str, ParallelStyle]
+_SPLIT = "lightning_hybrid_tensor_parallel"  # set on a block once its plan is applied
+
+
+def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers = getattr(module, "layers", None)
+    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Parameter):
+        return [(f"layers.{n}", block) for n, block in layers.named_children()]
+    return [("", module)]
+
+
+def _matches(block: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``block`` a plan key names, as ``parallelize_module`` resolves it."""
+    found = [("", block)]
+    for atom in key.split("."):
+        found = [(f"{p}.{n}" if p else n, c) for p, m in found for n, c in m.named_children() if fnmatch(n, atom)]
+    return found
+
+
+class TensorPlans:
+    """The checked plan of every block of a module, by block name (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, size: int) -> None:
+        self.size = size
+        self.plans: dict[str, Plan] = {}
+        kind = type(module).__name__
+        method = getattr(module, "tensor_parallel_plan", None)
+        if not callable(method):
+            raise TypeError(
+                f"tensor_parallel_size={size}: {kind} does not say how its blocks split. Define"
+                " `tensor_parallel_plan(self, name, block)` returning torch's parallel styles keyed by submodule"
+                " names inside the block, e.g. {'attn.q': ColwiseParallel(), 'attn.proj': RowwiseParallel()}"
+                " ({} keeps a block whole on every tensor-parallel rank), or use tensor_parallel_size=1."
+            )
+        for name, block in _blocks(module):
+            plan = method(name, block)
+            where = name or kind
+            if plan is None:
+                if any(True for _ in block.parameters()):
+                    raise ValueError(
+                        f"tensor_parallel_size={size}: {kind}.tensor_parallel_plan returned None for {where}, which"
+                        " holds parameters. Return its plan, or {} to keep it whole on every tensor-parallel rank"
+                        " on purpose (its weights and optimizer state are then held tensor_parallel_size times)."
+                    )
+                plan = {}
+            if not isinstance(plan, Mapping) or not all(isinstance(s, ParallelStyle) for s in plan.values()):
+                raise TypeError(
+                    f"{kind}.tensor_parallel_plan({where!r}) must return a dict of submodule name -> torch parallel"
+                    f" style (ColwiseParallel(), RowwiseParallel(), ...), got {plan!r}."
+                )
+            for key, style in plan.items():
+                targets = _matches(block, key)
+                if not targets:
+                    inside = ", ".join(n for n, _ in block.named_modules() if n) or "none"
+                    raise ValueError(
+                        f"{kind}.tensor_parallel_plan({where!r}) names {key!r}, which is no submodule of that"
+                        f" block (its submodules: {inside}). Fix the name (fnmatch patterns per level work)."
+                    )
+                for sub, target in targets:
+                    self._check_divisible(f"{name}.{sub}" if name else sub, target, style)
+            self.plans[name] = dict(plan)
+
+    def _check_divisible(self, where: str, module: nn.Module, style: ParallelStyle) -> None:
+        """A split dimension the tensor-parallel size does not divide would give ranks unequal slices."""
+        dims: dict[str, int] = {}
+        if isinstance(module, nn.Linear):
+            if isinstance(style, ColwiseParallel):
+                dims["out_features"] = module.out_features
+            elif isinstance(style, RowwiseParallel):
+                dims["in_features"] = module.in_features
+        elif isinstance(module, nn.Embedding):
+            if isinstance(style, ColwiseParallel):
+                dims["embedding_dim"] = module.embedding_dim
+            elif isinstance(style, RowwiseParallel):
+                dims["num_embeddings"] = module.num_embeddings
+        for attribute, value in dims.items():
+            if value % self.size:
+                raise ValueError(
+                    f"tensor_parallel_size={self.size} does not divide {where}.{attribute} ({value}) that"
+                    f" {type(style).__name__} splits. Choose a tensor_parallel_size dividing {value}, or keep"
+                    f" {where} out of the plan."
+                )
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, *, keep_dtensors: bool) -> None:
+        """Split this rank's blocks of ``module`` (the pipeline already cut the others out; blocks split as
+        they were materialised are left) on ``mesh``. Ties between parameters are made again (each split
+        module's parameters were replaced)."""
+        ties = _ties(module)
+        for name, block in _blocks(module):
+            self.apply_block(name, block, mesh, keep_dtensors=keep_dtensors)
+        _tie_again(module, ties)
+
+    def apply_block(self, name: str, block: nn.Module, mesh: DeviceMesh, *, keep_dtensors: bool) -> None:
+        """Split one block on ``mesh`` by its plan (once): its parameters stay DTensors with ``keep_dtensors``
+        (ZeRO-3 shards them over the data-parallel mesh on top, as torchtitan does), else become this rank's
+        plain slices (:func:`localize`)."""
+        plan = self.plans.get(name)
+        if not plan or getattr(block, _SPLIT, False):
+            return
+        parallelize_module(block, mesh, plan)
+        if not keep_dtensors:
+            localize(block)
+        setattr(block, _SPLIT, True)
+
+
+def _ties(module: nn.Module) -> list[list[str]]:
+    by_param: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_param.setdefault(id(p), []).append(name)
+    return [names for names in by_param.values() if len(names) > 1]
+
+
+def _tie_again(module: nn.Module, ties: list[list[str]]) -> None:
+    for names in ties:
+        first = module.get_parameter(names[0])
+        for other in names[1:]:
+            owner, _, attribute = other.rpartition(".")
+            p = module.get_parameter(other)
+            if p is first:
+                continue
+            if getattr(p, "placements", None) != getattr(first, "placements", None):
+                raise ValueError(
+                    f"{names[0]} and {other} are one tied parameter, and the tensor-parallel plan splits them"
+                    f" differently ({getattr(first, 'placements', 'whole')} against"
+                    f" {getattr(p, 'placements', 'whole')}). Split both the same way (a vocabulary-parallel"
+                    " embedding, RowwiseParallel, with a ColwiseParallel output head), or untie them."
+                )
+            setattr(module.get_submodule(owner) if owner else module, attribute, first)
+
+
+def plan_blocks(module: nn.Module, size: int) -> TensorPlans | None:
+    """The checked plans of ``module`` for ``size`` tensor-parallel ranks (``None`` for one)."""
+    return TensorPlans(module, size) if size > 1 else None
