@@ -12,6 +12,7 @@ pytestmark = pytest.mark.multiproc
 
 PIPELINE = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "schedule": "1f1b"}}
 ZERO2 = {"name": "hybrid_class", "kwargs": {"zero_stage": 2}}
+TP2 = {"name": "hybrid_class", "kwargs": {"tensor_parallel_size": 2}}
 PLUGIN = {"policy": "dynamic", "config": {"init_scale": 2.0**8, "growth_interval": 3}}
 
 
@@ -26,9 +27,10 @@ def _job(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("strategy", [PIPELINE, ZERO2], ids=["pipeline-pp2", "zero2-dp2"])
+@pytest.mark.parametrize("strategy", [PIPELINE, ZERO2, TP2], ids=["pipeline-pp2", "zero2-dp2", "tp2"])
 def test_inf_in_one_ranks_gradients_skips_the_step_on_every_rank(tmp_path, strategy):
-    # rank 1 holds the second pipeline stage / the second ZeRO shard; its gradient overflows in step 5
+    # rank 1 holds the second pipeline stage / the second ZeRO shard / the second tensor-parallel slice of
+    # each split matrix; its gradient overflows in step 5
     cfg = _job(tmp_path, "inf", strategy=strategy, inject={"inf": {"step": 4, "rank": 1}})
     result = launch("fault_tolerant.py", cfg, nproc=2)
     reports = [result.rank(r) for r in (0, 1)]

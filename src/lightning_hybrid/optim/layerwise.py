@@ -5,7 +5,10 @@ Both scale each parameter tensor's update by a trust ratio ``||w|| / ||update||`
 
 - unsharded (one process, a pipeline, ZeRO-0): each parameter is a tensor; nothing is communicated;
 - ZeRO-3 (FSDP2 DTensor parameters, also under Lightning's ModelParallelStrategy): each rank sums the
-  squares of its local shard, and the sums are all-reduced over the parameter's mesh;
+  squares of its local shard, and the sums are all-reduced over each mesh dimension that shards it (data
+  parallelism, and tensor parallelism under it);
+- tensor parallelism (a parameter held as this rank's slice): the partition names the tensors that are
+  slices, and their sums are all-reduced over the tensor-parallel group too;
 - ZeRO-1/2 (flat shards): the optimizer steps chunks of a flat buffer, each a piece of one model tensor whose
   other pieces other ranks step; the strategy hands the optimizer a :class:`TensorPartition` (which model
   tensor each stepped chunk belongs to), and the per-tensor sums are all-reduced over the data-parallel group.
@@ -20,12 +23,12 @@ from __future__ import annotations
 import bisect
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement
 from torch.optim import Optimizer
 
 __all__ = ["LAMB", "LARS", "LayerwiseOptimizer", "TensorPartition"]
@@ -43,11 +46,14 @@ class TensorPartition:
         segments: per optimizer parameter, its ``(tensor, lo, hi)`` triples.
         num_tensors: how many model tensors the parameters hold parts of, over all ranks of ``group``.
         group: the process group whose ranks hold the other parts (``None``: every tensor is whole here).
+        split: tensors that are themselves slices of a larger model tensor (tensor parallelism), by number,
+            with the process group whose ranks hold its other slices; summed over it after ``group``.
     """
 
     segments: dict[Tensor, list[tuple[int, int, int]]]
     num_tensors: int
     group: dist.ProcessGroup | None
+    split: dict[int, dist.ProcessGroup] = field(default_factory=dict)
 
     @staticmethod
     def of_flat_ranges(
@@ -78,6 +84,8 @@ class _Slots:
         n = partition.num_tensors if partition is not None else 0
         if partition is not None:
             self.groups[partition.group] = list(range(n))
+            for t, group in partition.split.items():  # summed over the slices' ranks after the shards' group
+                self.groups.setdefault(group, []).append(t)
         for p in params:
             if partition is not None:
                 if p not in partition.segments:
@@ -87,14 +95,14 @@ class _Slots:
                     )
                 self.segments[p] = partition.segments[p]
                 continue
+            # a DTensor's squares are summed over each mesh dimension that shards it, one after the other (FSDP2
+            # over data parallelism, and tensor parallelism under it): over the product of those dimensions
+            groups: list[dist.ProcessGroup | None] = [None]
             if isinstance(p, DTensor):
-                if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in p.placements):
-                    raise ValueError(f"layer-wise norms support parameters sharded over a 1-D mesh, got {p.placements}")
-                group = p.device_mesh.get_group()
-            else:
-                group = None
+                groups = [p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if _splits(pl)]
             self.segments[p] = [(n, 0, _local(p).numel())]
-            self.groups.setdefault(group, []).append(n)
+            for group in groups:
+                self.groups.setdefault(group, []).append(n)
             n += 1
         self.num = n
 
@@ -107,6 +115,12 @@ class _Slots:
             part = sums[:, index].contiguous()
             dist.all_reduce(part, group=group)
             sums[:, index] = part
+
+
+def _splits(placement: Placement) -> bool:
+    """Whether a mesh dimension holds parts of the tensor: ``Shard``, and FSDP2's strided shard over tensor
+    parallelism (torch 2.13's ``_StridedShard`` is no ``Shard`` and says ``is_shard() == False``)."""
+    return not (placement.is_replicate() or placement.is_partial())
 
 
 def _local(t: Tensor) -> Tensor:

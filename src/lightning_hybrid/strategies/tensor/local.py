@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
@@ -32,6 +33,7 @@ __all__ = [
     "local_part",
     "localize",
     "plain",
+    "split_tensors",
     "state_name",
     "tensor_slice",
     "tensor_slices",
@@ -220,9 +222,21 @@ def whole_on_every_rank(module: nn.Module, axis: str) -> list[nn.Parameter]:
         if found is not None:
             split = found.dim is not None
         elif isinstance(p, DTensor) and axis in (p.device_mesh.mesh_dim_names or ()):
-            split = isinstance(p.placements[p.device_mesh.mesh_dim_names.index(axis)], Shard)
+            placement = p.placements[p.device_mesh.mesh_dim_names.index(axis)]
+            split = not (placement.is_replicate() or placement.is_partial())
         else:
             split = False
         if not split:
             out.append(p)
+    return out
+
+
+def split_tensors(params: list[Tensor], first: int = 0) -> dict[int, dist.ProcessGroup]:
+    """The tensor-parallel group of each parameter held as a slice, by its number (counted from ``first``):
+    whole-tensor norms (LAMB, LARS) sum these over it."""
+    out = {}
+    for i, p in enumerate(params):
+        found = tensor_slice(p)
+        if found is not None and found.dim is not None:
+            out[first + i] = found.mesh.get_group()
     return out

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._user_code import UserGradientCode
+from lightning_hybrid.strategies.tensor.local import split_tensors
 from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.flat_gradients import FlatGradients, WindowGradients
@@ -267,11 +268,13 @@ class FlatShardedOptimizer(FlatStep, FlatStateDict):
         """Which model tensor each element of each stepped chunk belongs to (for per-tensor norms)."""
         segments: dict[Tensor, list[tuple[int, int, int]]] = {}
         first = 0
+        split = {}
         for g in self.groups:
             for c in g.chunks:
                 segments[c.tensor] = [(first + c.index, 0, c.stop - c.start)]
+            split.update(split_tensors(g.params, first))
             first += len(g.params)
-        return TensorPartition(segments, first, self.group)
+        return TensorPartition(segments, first, self.group, split)
 
     @property
     def averaged_every_backward(self) -> bool:

@@ -29,9 +29,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid._protocols import TakesTensorPartition
 from lightning_hybrid.optim._shardable import check_shardable
+from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients
+from lightning_hybrid.strategies.tensor.local import split_tensors
 from lightning_hybrid.strategies.zero.buckets import BucketQueue
 from lightning_hybrid.strategies.zero.flat_optimizer import FlatShardedOptimizer
 from lightning_hybrid.strategies.zero.fully_sharded import UnitGradients
@@ -68,6 +71,7 @@ class GradientSync:
         self._whole_on_tp: list[nn.Parameter] = []
         self._counts_whole = True
         self.model_parallel_group: dist.ProcessGroup | None = None
+        self._tensor_parallel = False
 
     def count_tensor_parallel(
         self, whole: list[nn.Parameter], *, first: bool, model_parallel_group: dist.ProcessGroup
@@ -76,6 +80,7 @@ class GradientSync:
         gradients count in the global norm on the ``first`` tensor-parallel rank only."""
         self._whole_on_tp, self._counts_whole = whole, first
         self.model_parallel_group = model_parallel_group
+        self._tensor_parallel = True
 
     # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
     # between a pipeline's training_step and backward: then the pipeline runner sets them aside
@@ -94,6 +99,12 @@ class GradientSync:
             self.ties.attach(optimizers)
         if self.zero_stage < 3 and self.data_parallel_size > 1:  # FSDP2 reduces every parameter of its units
             self.outside = OutsideOptimizers(list(names), optimizers, self.data_parallel_group, self._comm_device)
+        if self.zero_stage == 0 and self._tensor_parallel:  # whole-tensor norms (LAMB, LARS) over the slices
+            for optimizer in optimizers:
+                if isinstance(optimizer, TakesTensorPartition):
+                    params = [p for group in optimizer.param_groups for p in group["params"]]
+                    segments = {p: [(i, 0, p.numel())] for i, p in enumerate(params)}
+                    optimizer.set_tensor_partition(TensorPartition(segments, len(params), None, split_tensors(params)))
         if self.user.reads_at_step and self.zero_stage in (0, 3) and self.data_parallel_size > 1:
             for optimizer in optimizers:  # ZeRO-1/2's optimizer has a step of its own (FlatShardedOptimizer)
                 optimizer.step = types.MethodType(_checked_step(self, optimizer.step), optimizer)
