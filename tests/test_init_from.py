@@ -131,6 +131,8 @@ def test_every_source_reads_rows_without_the_rest(tmp_path):
         source = open_weights(path)
         assert source.index() == {"a": ((6, 4), torch.float32), "b": ((3,), torch.float32)}, path
         torch.testing.assert_close(source.read("a", (2, 5)), weights["a"][2:5], rtol=0, atol=0)
+        # a box: a tensor-parallel slice of columns (of ZeRO-3's rows of it)
+        torch.testing.assert_close(source.read("a", ((1, 4), (2, 4))), weights["a"][1:4, 2:4], rtol=0, atol=0)
         torch.testing.assert_close(source.read("b", None), weights["b"], rtol=0, atol=0)
 
 
@@ -229,3 +231,44 @@ def test_hugging_face_gpt2_loads_through_a_prefix_map_and_wrong_keys_fail_on_eve
         assert "layers.3.ln_f.weight" in error and "missing" in error, error
         assert "layers.2.* (12 keys)" in error, error  # a whole block: summarised
         assert "transformer.h.1.* -> layers.9.* (12 keys)" in error, error
+
+
+def _held_whole_by_each_tensor_parallel_rank(name: str) -> bool:
+    """The example GPT's plan keeps these whole on every tensor-parallel rank: norms, positions, and the
+    biases of row-wise layers (added after the reduction)."""
+    return ".ln_" in name or "position" in name or name.endswith(("proj.bias", "mlp.2.bias"))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("strategy", "nproc"),
+    [({"tensor_parallel_size": 2}, 2), ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4)],
+    ids=["tp2", "dp2-tp2-zero3"],
+)
+def test_init_from_under_tensor_parallelism_reads_each_slice_once(tmp_path, strategy, nproc):
+    """Each tensor-parallel rank reads only its slice of each split tensor (rows of a column-wise layer,
+    columns of a row-wise one; under ZeRO-3 only its rows of that slice): a split tensor's bytes are read once
+    over the job, a tensor every tensor-parallel rank holds whole once per tensor-parallel rank."""
+    weights = _pretrained()
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    torch.save(weights, tmp_path / "w.pt")
+    sources = [tmp_path / "w.safetensors", tmp_path / "w.pt", tmp_path / "saved-0"]
+    runs = [{"init_from": {"path": str(p)}, "save": str(tmp_path / f"saved-{i}")} for i, p in enumerate(sources)]
+    cfg = {"strategy": strategy, "model": MODEL, "devices": nproc, "runs": runs}
+    job = launch("init_from.py", cfg, nproc=nproc, timeout=300)
+    reference = build_model({"model": MODEL})
+    reference.load_state_dict(weights)
+    expected_loss = _first_batch_loss(reference)
+    tp = strategy["tensor_parallel_size"]
+    size = {k: v.numel() * v.element_size() for k, v in weights.items()}
+    expected = sum(n * (tp if _held_whole_by_each_tensor_parallel_rank(k) else 1) for k, n in size.items())
+    for i, run in enumerate(runs):
+        loaded = consolidate_checkpoint(run["save"])
+        for name, value in weights.items():
+            assert torch.equal(loaded[name], value), f"{sources[i].name}: {name} is not the pretrained value"
+        # without a pipeline each rank reports its replica's loss, as under DDP: their mean is the batch's
+        mean = sum(job.rank(r)["runs"][i]["losses"][0] for r in range(nproc)) / nproc
+        assert mean == pytest.approx(expected_loss, abs=1e-5), sources[i].name
+        read = [job.rank(r)["runs"][i]["bytes_read"] for r in range(nproc)]
+        assert sum(read) == expected, (sources[i].name, read, expected, sum(size.values()))
+        assert max(read) < 0.6 * sum(size.values()) / (nproc // tp), (sources[i].name, read)

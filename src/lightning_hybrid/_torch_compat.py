@@ -23,6 +23,7 @@ __all__ = [
     "DCP_PRIVATE_GLOBALS",
     "RaisingTensor",
     "default_store",
+    "dtensor_offsets",
     "grad_scaler_growth_tracker",
     "init_optimizer_state",
     "mul_",
@@ -92,6 +93,15 @@ def post_accumulate_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:
     ``Tensor._post_accumulate_grad_hooks``, an ordered dict or None)."""
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
+
+
+def dtensor_offsets(tensor: Any) -> tuple[int, ...]:
+    """The whole tensor's index of a DTensor's first local element on this rank (torch 2.13:
+    ``tensor._utils.compute_local_shape_and_global_offset``, which knows FSDP2's strided shards)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(int(o) for o in offsets)
 
 
 def own_parameters(module: torch.nn.Module) -> dict[str, Any]:

@@ -1,13 +1,14 @@
 """Start from pretrained weights without any rank holding all of them (``HybridParallelStrategy(init_from=...)``).
 
-Four kinds of source, each read lazily so a rank touches only the tensors (and under ZeRO-3 the rows) it owns:
+Four kinds of source, each read lazily so a rank touches only the tensors (and under ZeRO-3 the rows, under
+tensor parallelism the slices) it owns:
 
 * a plain ``state_dict`` file (``torch.save(module.state_dict(), path)``), read with ``mmap=True,
   weights_only=True``: a tensor's pages are read only when its rows are copied;
 * a ``.safetensors`` file, read by slice;
 * a folder of ``.safetensors`` shards with a ``*.safetensors.index.json`` (the layout Hugging Face
   checkpoints use), or a folder holding ``.safetensors`` files without an index;
-* a sharded checkpoint of this pack (its weights only; DCP reads just the requested rows).
+* a sharded checkpoint of this pack (its weights only; DCP reads just the requested box).
 
 Names rarely match: ``key_map`` renames each checkpoint key to the module's name for it (a dict of prefix
 renames, longest prefix first, or a callable), and a key may feed several names (tied embeddings). The plan
@@ -25,9 +26,9 @@ from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
 
 from lightning_hybrid._agree import agreed_problem, raise_agreed
+from lightning_hybrid._slices import Box, held_box
 from lightning_hybrid.checkpoint.sources import WeightsSource, open_weights
 
 __all__ = [
@@ -262,42 +263,26 @@ def tied_names(module: nn.Module) -> list[list[str]]:
     return [names for names in groups.values() if len(names) > 1]
 
 
-def _local_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, Union[tuple[int, int], None]]]:
-    """``(name, tensor to fill, rows of the full tensor it holds)`` for what this rank holds."""
+def _local_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, Union[Box, None]]]:
+    """``(name, tensor to fill, its box in the full tensor)`` for what this rank holds (``None``: all of it):
+    ZeRO-3's rows, a tensor-parallel slice along its split dimension, or both."""
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if isinstance(tensor, DTensor):
-            yield name, tensor.to_local(), _local_rows(name, tensor)
-        else:
-            yield name, tensor, None
-
-
-def _local_rows(name: str, tensor: DTensor) -> tuple[int, int]:
-    placements = tensor.placements
-    if len(placements) != 1 or placements[0] != Shard(0):
-        raise ValueError(f"init_from reads row shards; {name} is placed as {placements}.")
-    n = tensor.shape[0]
-    world = tensor.device_mesh.size()
-    coordinate = tensor.device_mesh.get_coordinate()
-    assert coordinate is not None
-    chunk = -(-n // world)  # torch.chunk's split, as FSDP2 shards dim 0
-    start = min(n, coordinate[0] * chunk)
-    stop = min(n, start + chunk)
-    if stop - start != tensor.to_local().shape[0]:
-        raise ValueError(
-            f"init_from: {name}'s local shard has {tensor.to_local().shape[0]} rows, expected {stop - start}."
-        )
-    return start, stop
+        local, box = held_box(tensor)
+        if box is not None and tuple(b - a for a, b in box) != tuple(local.shape):
+            raise ValueError(f"init_from: {name} holds {tuple(local.shape)} here, its box is {box}.")
+        yield name, local, box
 
 
 @torch.no_grad()
 def load_pretrained(module: nn.Module, plan: WeightsPlan, source: WeightsSource) -> int:
-    """Copy into this rank's tensors (its stages; under ZeRO-3 its rows) from ``source``. Returns the bytes
+    """Copy into this rank's tensors (its stages; under ZeRO-3 its rows, under tensor parallelism its slices)
+    from ``source``. Returns the bytes
     read."""
     read = 0
-    for name, tensor, rows in _local_tensors(module):
-        if rows is not None and rows[0] == rows[1]:
+    for name, tensor, box in _local_tensors(module):
+        if box is not None and any(a == b for a, b in box):
             continue  # this rank holds no rows of a short tensor
-        value = source.read(plan.source_of[name], rows)
+        value = source.read(plan.source_of[name], box)
         tensor.copy_(value)  # to the tensor's device and dtype in one copy
         read += value.numel() * value.element_size()
     return read

@@ -8,12 +8,13 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Protocol, Union
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_hybrid._slices import Box
 from lightning_hybrid.checkpoint._flat_shards import FlatShard
 from lightning_hybrid.checkpoint._sharded import (
     LAYOUT_KEY,
@@ -34,11 +35,24 @@ _SAFETENSORS_DTYPES = {
 
 
 class WeightsSource(Protocol):
-    """What a source of pretrained weights offers: the shapes of its tensors, and rows of one tensor."""
+    """What a source of pretrained weights offers: the shapes of its tensors, and a box of one tensor.
+
+    ``read(key, box)``: the whole tensor for ``box=None``; else ``box`` gives ``(start, stop)`` for each leading
+    dimension (the rest whole), e.g. ``((0, 4),)`` for rows 0-3 (ZeRO-3) or ``((0, 8), (16, 32))`` for a
+    column slice (tensor parallelism). A source reads no more than the box where its format allows."""
 
     def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]: ...
 
-    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor: ...
+    def read(self, key: str, box: Union[Box, None]) -> Tensor: ...
+
+
+def _slices(box: Union[Box, tuple[int, int], None]) -> Union[tuple[slice, ...], None]:
+    """``box`` as index slices; ``(start, stop)`` of two integers means rows."""
+    if box is None:
+        return None
+    if len(box) == 2 and all(isinstance(b, int) for b in box):
+        box = (box,)  # type: ignore[assignment]
+    return tuple(slice(a, b) for a, b in box)  # type: ignore[misc]
 
 
 class _TorchFile:
@@ -53,9 +67,9 @@ class _TorchFile:
     def index(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {k: (tuple(v.shape), v.dtype) for k, v in self._state.items()}
 
-    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
-        tensor = self._state[key]
-        return tensor if rows is None else tensor[rows[0] : rows[1]]
+    def read(self, key: str, box: Union[Box, None]) -> Tensor:
+        tensor, where = self._state[key], _slices(box)
+        return tensor if where is None else tensor[where]
 
 
 class _SafetensorsFiles:
@@ -75,9 +89,9 @@ class _SafetensorsFiles:
             out[key] = (tuple(view.get_shape()), dtype)
         return out
 
-    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
-        handle = self._handles[self._file_of[key]]
-        return handle.get_tensor(key) if rows is None else handle.get_slice(key)[rows[0] : rows[1]]
+    def read(self, key: str, box: Union[Box, None]) -> Tensor:
+        handle, where = self._handles[self._file_of[key]], _slices(box)
+        return handle.get_tensor(key) if where is None else handle.get_slice(key)[where]
 
 
 class _PackCheckpoint:
@@ -100,17 +114,21 @@ class _PackCheckpoint:
         out.update({a: out[first] for a, first in self._stored.aliases.items() if first in out})
         return out
 
-    def read(self, key: str, rows: Union[tuple[int, int], None]) -> Tensor:
-
+    def read(self, key: str, box: Union[Box, None]) -> Tensor:
         key = self._stored.stored_key(key)
         meta = self._meta[key]
         shape = tuple(meta.size)
-        start, stop = rows if rows is not None else (0, shape[0] if shape else 1)
-        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=meta.properties.dtype)
-        target: Any = out
-        if rows is not None:
-            target = FlatShard(torch.Size(shape), out.dtype, [((start,) + (0,) * (len(shape) - 1), out)])
-        read_sharded(self._path, {self._PREFIX + key: target}, no_dist=True)  # this rank's rows, nothing else
+        where = _slices(box)
+        if where is None:
+            out = torch.empty(shape, dtype=meta.properties.dtype)
+            read_sharded(self._path, {self._PREFIX + key: out}, no_dist=True)
+            return out
+        full = [slice(0, n) for n in shape]
+        full[: len(where)] = where
+        offsets = tuple(s.start for s in full)
+        out = torch.empty(tuple(s.stop - s.start for s in full), dtype=meta.properties.dtype)
+        target = FlatShard(torch.Size(shape), out.dtype, [(offsets, out)])
+        read_sharded(self._path, {self._PREFIX + key: target}, no_dist=True)  # this rank's box, nothing else
         return out
 
 

@@ -16,15 +16,14 @@ lookups only: ``named_parameters``, ``state_dict`` and their order stay the plai
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 
+from lightning_hybrid._slices import TensorSlice, mark_slice, tensor_slice
 from lightning_hybrid._torch_compat import own_parameters
 
 __all__ = [
@@ -42,45 +41,6 @@ __all__ = [
     "whole_on_every_rank",
     "whole_shape",
 ]
-
-_ATTRIBUTE = "lightning_hybrid_tensor_slice"  # set on each localized parameter
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Where a rank's local parameter lies in the whole tensor: torch's placements on the tensor-parallel
-    mesh, and the whole tensor's shape and stride."""
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-    @property
-    def dim(self) -> int | None:
-        """The dimension the tensor is split along, or ``None`` when every rank holds all of it."""
-        for placement in self.placements:
-            if isinstance(placement, Shard):
-                return placement.dim % len(self.shape)
-        return None
-
-    def origin(self) -> tuple[int, ...]:
-        """The whole tensor's index of this rank's first element (torch's even chunks: ``ceil(n / T)``)."""
-        origin = [0] * len(self.shape)
-        if self.dim is not None:
-            chunk = math.ceil(self.shape[self.dim] / self.mesh.size())
-            origin[self.dim] = min(chunk * self.mesh.get_local_rank(), self.shape[self.dim])
-        return tuple(origin)
-
-    def as_dtensor(self, local: Tensor) -> DTensor:
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
-        )
-
-
-def tensor_slice(param: Tensor) -> TensorSlice | None:
-    """The :class:`TensorSlice` of a localized tensor-parallel parameter, ``None`` for any other tensor."""
-    return getattr(param, _ATTRIBUTE, None)
 
 
 def tensor_slices(module: nn.Module) -> dict[str, TensorSlice]:
@@ -105,7 +65,7 @@ def localize(module: nn.Module) -> int:
             if not isinstance(p, DTensor):
                 continue
             plain = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-            setattr(plain, _ATTRIBUTE, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
+            mark_slice(plain, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
             own[name] = plain  # the same key: named_parameters keeps its order
             names.append(name)
         if names:
