@@ -54,6 +54,19 @@ EXPECTED = {
         + ["zero2_once_skip_on_one_rank", "zero0_skip_accumulating", "zero1_skip_closing", "zero2_skip_accumulating"]
         + ["zero0_skip_gather_with_grads", "zero1_skip_counted"]
     },
+    "tp_no_plan": "tensor_parallel_size=2: NoContract does not say how its blocks split. Define"
+    " `tensor_parallel_plan(self, name, block)`",
+    "tp_plan_names_no_module": "GPT.tensor_parallel_plan('layers.1') names 'attn.query', which is no submodule of"
+    " that block (its submodules: ln_1, attn, attn.q,",
+    "tp_block_without_plan": "GPT.tensor_parallel_plan returned None for layers.1, which holds parameters. Return"
+    " its plan, or {}",
+    "tp_heads": "tensor_parallel_size=2 must divide n_head (1)",
+    "tp_vocabulary": "tensor_parallel_size=2 does not divide layers.0.token.num_embeddings (63) that RowwiseParallel"
+    " splits",
+    "tp_tie_split_differently": "layers.0.token.weight and layers.5.head.weight are one tied parameter, and the"
+    " tensor-parallel plan splits them differently",
+    "ds_tensor_parallel": "tensor_parallel_size=2: DeepSpeed's pipeline engine has no tensor parallelism. Use"
+    " HybridParallelStrategy(tensor_parallel_size=",
     # Lightning refuses a None from training_step in distributed training: on every rank alike, none waits
     "zero1_skip_on_every_rank": "Skipping the `training_step` by returning None in distributed training is not",
 }

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from common import ExactDataModule, build_model, rank, write_report
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hybrid.callbacks import AccumulationScheduler, FaultTolerantCheckpoint
@@ -111,6 +112,14 @@ CASES: dict[str, dict[str, Any]] = {
             ("block_raises_at_step_2", "raise_later"),
         )
     },
+    # tensor parallelism: a plan that cannot split the module is refused before any block is split
+    "tp_no_plan": {"strategy": {"tensor_parallel_size": 2}, "module": "no_contract"},
+    "tp_plan_names_no_module": {"strategy": {"tensor_parallel_size": 2}, "plan": "missing"},
+    "tp_block_without_plan": {"strategy": {"tensor_parallel_size": 2}, "plan": "none"},
+    "tp_heads": {"strategy": {"tensor_parallel_size": 2}, "model": {"n_head": 1}},
+    "tp_vocabulary": {"strategy": {"tensor_parallel_size": 2}, "model": {"vocab_size": 63}},
+    "tp_tie_split_differently": {"strategy": {"tensor_parallel_size": 2}, "tie": True, "plan": "untied_split"},
+    "ds_tensor_parallel": {"deepspeed": {"tensor_parallel_size": 2}},
     # every rank skips the same batch: Lightning's own refusal, on every rank
     "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
 }
@@ -188,6 +197,24 @@ def groups_by_name(model: L.LightningModule) -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": head, "lr": 0.1}, {"params": rest, "lr": 0.2}])
 
 
+def broken_plan(model: L.LightningModule, how: str) -> None:
+    """The example's tensor-parallel plan, broken: a name no submodule has, None for the transformer blocks,
+    or the token embedding split by columns while the head it is tied to splits by rows."""
+    plan = model.tensor_parallel_plan
+
+    def tensor_parallel_plan(name: str, block: torch.nn.Module) -> Any:
+        given = plan(name, block)
+        if how == "missing" and "attn.q" in given:
+            return {**given, "attn.query": ColwiseParallel()}
+        if how == "none" and "attn.q" in given:
+            return None
+        if how == "untied_split" and "token" in given:
+            return {"token": ColwiseParallel()}
+        return given
+
+    model.tensor_parallel_plan = tensor_parallel_plan
+
+
 def make_strategy(case: dict[str, Any]) -> Any:
     if "deepspeed" in case:
         return DeepSpeedPipelineStrategy(pipeline_parallel_size=2, **case["deepspeed"])
@@ -212,9 +239,12 @@ def attempt(case: dict[str, Any]) -> str:
                         "n_layer": case.get("n_layer", 4),
                         "tie_embeddings": tie,
                         "build_on_meta": bool(case.get("meta")),
+                        **case.get("model", {}),
                     }
                 }
             )
+        if case.get("plan"):
+            broken_plan(model, case["plan"])
         if case.get("bad_block"):
             break_last_block(model, case["bad_block"])
         if case.get("groups_by_name"):

@@ -58,20 +58,24 @@ def localize(module: nn.Module) -> int:
     rank's slice, in place and in the same position; each owning module sees the DTensor during its forward.
     Returns how many parameters were localized."""
     count = 0
+    made: dict[int, nn.Parameter] = {}  # a tied DTensor (one parameter under several modules) stays one
     for owner in module.modules():
         names = []
         own = own_parameters(owner)
         for name, p in list(own.items()):
             if not isinstance(p, DTensor):
                 continue
-            plain = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
-            mark_slice(plain, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
+            plain = made.get(id(p))
+            if plain is None:
+                plain = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                mark_slice(plain, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
+                made[id(p)] = plain
+                count += 1
             own[name] = plain  # the same key: named_parameters keeps its order
             names.append(name)
         if names:
             owner.register_forward_pre_hook(_DTensorView(tuple(names)))
             owner.register_forward_hook(_PlainAgain(tuple(names)), always_call=True)
-            count += len(names)
     return count
 
 

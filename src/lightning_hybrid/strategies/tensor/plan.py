@@ -50,6 +50,7 @@ class TensorPlans:
     def __init__(self, module: nn.Module, size: int) -> None:
         self.size = size
         self.plans: dict[str, Plan] = {}
+        self.splits: dict[str, int | None] = {}  # parameter name -> the dimension its style splits
         kind = type(module).__name__
         method = getattr(module, "tensor_parallel_plan", None)
         if not callable(method):
@@ -84,8 +85,25 @@ class TensorPlans:
                         f" block (its submodules: {inside}). Fix the name (fnmatch patterns per level work)."
                     )
                 for sub, target in targets:
-                    self._check_divisible(f"{name}.{sub}" if name else sub, target, style)
+                    where_sub = f"{name}.{sub}" if name else sub
+                    self._check_divisible(where_sub, target, style)
+                    for pname, dim in _split_dims(target, style).items():
+                        self.splits[f"{where_sub}.{pname}"] = dim
             self.plans[name] = dict(plan)
+        self._check_ties(module, kind)
+
+    def _check_ties(self, module: nn.Module, kind: str) -> None:
+        """A parameter tied under several names (also across pipeline stages, where each stage splits its own
+        copy) must be split the same way under each: their slices are one tensor's."""
+        for names in _ties(module):
+            dims = {n: self.splits.get(n) for n in names}
+            if len(set(dims.values())) > 1:
+                shown = ", ".join(f"{n} {'whole' if d is None else f'split along dim {d}'}" for n, d in dims.items())
+                raise ValueError(
+                    f"{names[0]} and {names[1]} are one tied parameter, and the tensor-parallel plan splits them"
+                    f" differently ({shown}). Split both the same way (a vocabulary-parallel embedding,"
+                    f" RowwiseParallel, with a ColwiseParallel output head), or untie them in {kind}."
+                )
 
     def _check_divisible(self, where: str, module: nn.Module, style: ParallelStyle) -> None:
         """A split dimension the tensor-parallel size does not divide would give ranks unequal slices."""
@@ -114,8 +132,10 @@ class TensorPlans:
         module's parameters were replaced)."""
         ties = _ties(module)
         for name, block in _blocks(module):
-            self.apply_block(name, block, mesh, keep_dtensors=keep_dtensors)
+            self.apply_block(name, block, mesh, keep_dtensors=True)
         _tie_again(module, ties)
+        if not keep_dtensors:
+            localize(module)
 
     def apply_block(self, name: str, block: nn.Module, mesh: DeviceMesh, *, keep_dtensors: bool) -> None:
         """Split one block on ``mesh`` by its plan (once): its parameters stay DTensors with ``keep_dtensors``
@@ -138,21 +158,27 @@ def _ties(module: nn.Module) -> list[list[str]]:
 
 
 def _tie_again(module: nn.Module, ties: list[list[str]]) -> None:
+    """Each split module got new parameters: the names of a tie point at the first name's again (the plans
+    split them alike: checked on the whole module)."""
     for names in ties:
         first = module.get_parameter(names[0])
         for other in names[1:]:
             owner, _, attribute = other.rpartition(".")
-            p = module.get_parameter(other)
-            if p is first:
-                continue
-            if getattr(p, "placements", None) != getattr(first, "placements", None):
-                raise ValueError(
-                    f"{names[0]} and {other} are one tied parameter, and the tensor-parallel plan splits them"
-                    f" differently ({getattr(first, 'placements', 'whole')} against"
-                    f" {getattr(p, 'placements', 'whole')}). Split both the same way (a vocabulary-parallel"
-                    " embedding, RowwiseParallel, with a ColwiseParallel output head), or untie them."
-                )
-            setattr(module.get_submodule(owner) if owner else module, attribute, first)
+            if module.get_parameter(other) is not first:
+                setattr(module.get_submodule(owner) if owner else module, attribute, first)
+
+
+def _split_dims(module: nn.Module, style: ParallelStyle) -> dict[str, int | None]:
+    """The dimension torch's style splits each of ``module``'s own parameters along (``None``: whole), as
+    ``ColwiseParallel`` / ``RowwiseParallel`` place ``nn.Linear`` and ``nn.Embedding``; other styles keep
+    parameters whole (``SequenceParallel`` replicates them)."""
+    if isinstance(style, ColwiseParallel):
+        weight = 0 if isinstance(module, nn.Linear) else 1 if isinstance(module, nn.Embedding) else None
+        return {"weight": weight, "bias": 0}
+    if isinstance(style, RowwiseParallel):
+        weight = 1 if isinstance(module, nn.Linear) else 0 if isinstance(module, nn.Embedding) else None
+        return {"weight": weight, "bias": None}
+    return {}
 
 
 def plan_blocks(module: nn.Module, size: int) -> TensorPlans | None:
