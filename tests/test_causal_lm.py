@@ -137,6 +137,10 @@ CASES = {
         _hybrid(pipeline_parallel_size=2, schedule="interleaved_1f1b", num_microbatches=2),
         2,
     ),
+    # tensor parallelism from the model's own base_model_tp_plan: GQA (4 query heads, 2 key/value heads) split
+    # over 2 ranks keeps 2 query heads and 1 key/value head on each; the head's logits gathered
+    "llama-tp2-eager": ("llama", "eager", _hybrid(tensor_parallel_size=2), 2),
+    "qwen2-pp2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
     "llama-deepspeed-pp2": (
         "llama",
         "eager",
@@ -145,6 +149,18 @@ CASES = {
     ),
 }
 SLOW_CASES = {
+    "llama-dp2-tp2-zero3-sdpa": (
+        "llama",
+        "sdpa",
+        _hybrid(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3),
+        4,
+    ),
+    "qwen2-dp2-tp2-zero1-eager": (
+        "qwen2",
+        "eager",
+        _hybrid(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1),
+        4,
+    ),
     "mixtral-pp2-dp2-zero1": ("mixtral", "eager", _hybrid(pipeline_parallel_size=2, zero_stage=1), 4),
 }
 
@@ -168,6 +184,12 @@ def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
         n = sum(p.numel() for p in reference_model(family, attn).parameters())
         assert f"pipeline stages of CausalLM: {n / 1e3:.1f} K parameters" in result.output, result.output[-3000:]
         assert "  stage 1: blocks " in result.output
+    tp = strategy.get("kwargs", {}).get("tensor_parallel_size", 1)
+    if tp > 1:  # each tensor-parallel rank holds about 1/tp of its stage (norms and an untied embedding whole)
+        n = sum(p.numel() for p in reference_model(family, attn).parameters())
+        held = [result.rank(r)["held"] for r in range(nproc)]
+        pp = strategy["kwargs"].get("pipeline_parallel_size", 1)
+        assert max(held) < (0.7 if pp == 1 else 0.45) * n, (held, n)  # unsplit: 1.0, or the larger stage's 0.65
     if case in SLICED_READS:  # each rank read its stages' tensors (pp2) or its rows (ZeRO-3): the file once
         from safetensors import safe_open
 
@@ -321,3 +343,31 @@ def test_a_moe_folder_stored_expert_by_expert_is_read_by_transformers_and_trains
     losses = _fit_one_process(model, 2)
     ref_losses, _ = reference("mixtral", "eager", steps=2)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+
+
+@pytest.mark.unit
+def test_the_models_own_tensor_parallel_plan_and_its_refusals():
+    """Each block's plan comes from the config's base_model_tp_plan, inside the cut's names; sizes that do not
+    split whole heads, and models without a plan, are refused with the values and what to do."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_hybrid.models._hf_tp import hf_tensor_parallel_plan
+
+    llama = CausalLM(hf_config("llama", "sdpa"))
+    blocks = list(llama.layers)
+    decoder = hf_tensor_parallel_plan(llama.config, blocks[1], 2)
+    assert {k: type(v) for k, v in decoder.items()} == {
+        "layer.self_attn.q_proj": ColwiseParallel, "layer.self_attn.k_proj": ColwiseParallel,
+        "layer.self_attn.v_proj": ColwiseParallel, "layer.self_attn.o_proj": RowwiseParallel,
+        "layer.mlp.gate_proj": ColwiseParallel, "layer.mlp.up_proj": ColwiseParallel,
+        "layer.mlp.down_proj": RowwiseParallel,
+    }  # fmt: skip
+    assert hf_tensor_parallel_plan(llama.config, blocks[0], 2) == {}  # an untied embedding stays whole
+    assert list(hf_tensor_parallel_plan(llama.config, blocks[-1], 2)) == ["lm_head"]
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=4 must divide the llama config's num_key_value_heads \(2\)"
+    ):
+        hf_tensor_parallel_plan(llama.config, blocks[1], 4)
+    gpt2 = CausalLM(hf_config("gpt2", "sdpa"))
+    with pytest.raises(ValueError, match="the gpt2 config has no base_model_tp_plan"):
+        hf_tensor_parallel_plan(gpt2.config, list(gpt2.layers)[1], 2)

@@ -105,7 +105,10 @@ def main(cfg: dict[str, Any]) -> None:
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     read = getattr(trainer.strategy, "pretrained_bytes_read", None)
-    write_report(cfg["out"], {"rank": rank(), "losses": losses.losses, "step": trainer.global_step, "read": read})
+    # the elements of the parameters this rank stores (a DTensor's local part): what tensor parallelism splits
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    report = {"rank": rank(), "losses": losses.losses, "step": trainer.global_step, "read": read, "held": held}
+    write_report(cfg["out"], report)
 
 
 if __name__ == "__main__":

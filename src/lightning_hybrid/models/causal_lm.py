@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, agreed_plan, load_pretrained, open_weights
 from lightning_hybrid.models._hf_cut import cut_causal_lm
+from lightning_hybrid.models._hf_tp import hf_tensor_parallel_plan
 
 __all__ = ["CausalLM"]
 
@@ -212,6 +213,11 @@ class CausalLM(pl.LightningModule):
         return (target != IGNORE_INDEX).sum()
 
     # ------------------------------------------------------------------------------------------ Lightning
+
+    def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict[str, Any]:
+        """Each block's split under ``HybridParallelStrategy(tensor_parallel_size=T)``: the model's own
+        ``config.base_model_tp_plan`` (see :mod:`lightning_hybrid.models._hf_tp`)."""
+        return hf_tensor_parallel_plan(self.config, block, self.device_mesh["tensor_parallel"].size())
 
     def forward(self, input_ids: Tensor, attention_mask: Union[Tensor, None] = None) -> Tensor:
         """Logits, running the blocks in order (what a pipeline runs stage by stage)."""
