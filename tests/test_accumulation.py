@@ -83,6 +83,24 @@ def test_killed_mid_window_resumes_the_schedule_exactly(tmp_path):
         assert killed.rank(r)["weights"][last] == ref.rank(r)["weights"][last]
 
 
+def _noise_scale(tmp_path, name: str, strategy: dict, nproc: int, batch: int) -> dict:
+    """The adaptive unit's noise-scale state after 6 steps at K=2 (the same on every rank)."""
+    cfg = {
+        "ft": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 100, "nan_policy": None},
+        "steps": 6,
+        "model": {"dropout": 0.0},
+        "data": {"batch_size": batch},
+        "strategy": strategy,
+        "accumulation": {"unit": "adaptive", "schedule": {"0": 2}, "min_k": 2, "max_k": 2, "noise_ema": None},
+        "out": str(tmp_path / name / "out"),
+    }
+    result = launch("fault_tolerant.py", cfg, nproc=nproc)
+    states = [result.rank(r)["accumulation"]["noise"] for r in range(nproc)]
+    assert all(state == states[0] for state in states), f"{name}: ranks disagree on the noise scale"
+    assert states[0]["count"] == 6
+    return states[0]
+
+
 def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharded(tmp_path):
     """The adaptive unit measures the same noise scale under DDP and under HybridParallelStrategy dp2 with
     ZeRO-1 / 2 reducing once per step (the big-batch norm is summed over disjoint shards, not divided by
@@ -91,20 +109,7 @@ def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharde
     global micro-batch (the same samples: the sampler's order is strided over the ranks) with the same K."""
 
     def run(name: str, strategy: dict, nproc: int, batch: int) -> dict:
-        cfg = {
-            "ft": {"dirpath": str(tmp_path / name / "ckpt"), "every_n_train_steps": 100, "nan_policy": None},
-            "steps": 6,
-            "model": {"dropout": 0.0},
-            "data": {"batch_size": batch},
-            "strategy": strategy,
-            "accumulation": {"unit": "adaptive", "schedule": {"0": 2}, "min_k": 2, "max_k": 2, "noise_ema": None},
-            "out": str(tmp_path / name / "out"),
-        }
-        result = launch("fault_tolerant.py", cfg, nproc=nproc)
-        states = [result.rank(r)["accumulation"]["noise"] for r in range(nproc)]
-        assert all(state == states[0] for state in states), f"{name}: ranks disagree on the noise scale"
-        assert states[0]["count"] == 6
-        return states[0]
+        return _noise_scale(tmp_path, name, strategy, nproc, batch)
 
     def hybrid(zero_stage: int, **zero: str) -> dict:
         kwargs = {"pipeline_parallel_size": 1, "zero_stage": zero_stage, "zero": zero}
@@ -122,3 +127,18 @@ def test_noise_scale_is_the_same_whether_gradients_are_replicated_or_zero_sharde
         measured = run(name, strategy, 2, 4)
         for key in ("g2", "trace"):
             assert measured[key] == pytest.approx(single[key], rel=1e-4), (name, key, measured, single)
+
+
+@pytest.mark.slow
+def test_noise_scale_counts_each_element_once_under_tensor_parallelism(tmp_path):
+    """dp2 x tp2: a gradient every tensor-parallel rank holds whole (norms, row-wise biases) is counted by one
+    of them, split ones by each for its slice: the same noise scale as DDP on the same two replicas (ZeRO-0/1
+    keep the window's gradients per replica) or as one process on the global micro-batch (ZeRO-2 reducing
+    every micro-batch, ZeRO-3)."""
+    ddp = _noise_scale(tmp_path, "ddp", {"name": "ddp"}, 2, 4)
+    single = _noise_scale(tmp_path, "single", {"name": "ddp"}, 1, 8)
+    for zero_stage, want in ((0, ddp), (1, ddp), (2, single), (3, single)):
+        kwargs = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": zero_stage}
+        measured = _noise_scale(tmp_path, f"tp2-zero{zero_stage}", {"name": "hybrid_class", "kwargs": kwargs}, 4, 4)
+        for key in ("g2", "trace"):
+            assert measured[key] == pytest.approx(want[key], rel=1e-4), (zero_stage, key, measured, want)

@@ -64,6 +64,11 @@ class ReportsGradientLayout(Protocol):
         """This rank's part of the gradient accumulated so far in the accumulation window."""
         ...
 
+    def step_gradients(self, optimizer: Any) -> list[Tensor]:
+        """This rank's part of the gradients ``optimizer`` steps with, each element on ``gradient_layout()[0]``
+        ranks (a part every tensor-parallel rank holds is given by one of them)."""
+        ...
+
 
 @runtime_checkable
 class TakesTensorPartition(Protocol):

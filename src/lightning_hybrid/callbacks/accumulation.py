@@ -222,7 +222,7 @@ class AccumulationScheduler(Callback):
         if self.unit == "adaptive" and self._small_sq is not None:
             replicas, copies, reduced = data_replicas(trainer), *_gradient_layout(trainer)
             # the optimizer's gradients: full on every replica (copies = replicas) or disjoint shards (1)
-            big_local = _sq_norm(p.grad for p in params) / copies
+            big_local = _sq_norm(_step_gradients(trainer, optimizer, params)) / copies
             # one 2-scalar all-reduce: the small-batch norms and the big-batch norm, each over all ranks
             small_sum, big_sum = agree([self._small_sq, big_local], op="sum", device=trainer.strategy.root_device)
             if reduced:  # the first micro-batch's gradient was already averaged over replicas (sharded)
@@ -352,6 +352,15 @@ def _current_gradients(trainer: pl.Trainer, module: pl.LightningModule) -> list[
     if isinstance(strategy, ReportsGradientLayout):
         return strategy.current_gradients(module)  # e.g. ZeRO-2 has handed the model's gradients off already
     return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def _step_gradients(trainer: pl.Trainer, optimizer: Optimizer, params: list[Tensor]) -> list[Tensor]:
+    """This rank's part of the gradients the optimizer steps with (a strategy that reports its layout says
+    which: under tensor parallelism a gradient every tensor-parallel rank holds counts on one)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ReportsGradientLayout):
+        return strategy.step_gradients(optimizer)
+    return [p.grad for p in params]
 
 
 def _refuse_engine_accumulation(strategy: Any) -> None:

@@ -218,6 +218,11 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         """This rank's part of the gradient accumulated so far in the window (see :class:`GradientSync`)."""
         return self._gradient_sync.current_gradients(module)
 
+    def step_gradients(self, optimizer: Optimizer) -> list[Tensor]:
+        """This rank's part of the gradients ``optimizer`` steps with, each element counted on
+        ``gradient_layout()[0]`` ranks (see :class:`GradientSync`)."""
+        return self._gradient_sync.step_gradients(self._unwrap(optimizer))
+
     def reductions_started(self) -> dict[str, int]:
         """Bucket reductions of the data-parallel gradients so far: started while backward still computed
         (``during_backward``) and started when it ended (``at_end``). ZeRO-3's are FSDP2's (not counted)."""

@@ -22,7 +22,7 @@ Checkpoints: ``flat_state.FlatStateDict``.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,8 +285,25 @@ class FlatShardedOptimizer(FlatStep, FlatStateDict):
         g, i = self._where.get(self.names.get(param, ""), (None, -1))
         return [c.tensor.grad for c in g.chunks if c.index == i and c.tensor.grad is not None] if g else []
 
-    def local_gradients(self) -> list[Tensor]:
-        return [t for g in self.groups for t in g.grads.local_gradients()]
+    def local_gradients(self, skip: Set[int] = frozenset()) -> list[Tensor]:
+        """The window's gradient so far as this rank holds it, less the parameters in ``skip`` (ids): views of
+        a ZeRO-2 shard gradient around their ranges, or the other parameters' own gradients."""
+        out: list[Tensor] = []
+        for g in self.groups:
+            grads = g.grads.local_gradients()
+            if not skip:
+                out += grads
+            elif isinstance(g.grads, BucketGradients):  # one shard-sized gradient over the group's flat range
+                base = self.rank * g.shard_numel
+                for shard in grads:
+                    for p, off in zip(g.params, g.offsets):
+                        lo, hi = max(off, base), min(off + p.numel(), base + g.shard_numel)
+                        if id(p) not in skip and lo < hi:
+                            out.append(shard[lo - base : hi - base])
+            else:
+                kept = {id(p.grad) for p in g.params if id(p) not in skip}
+                out += [t for t in grads if id(t) in kept]
+        return out
 
     @torch.no_grad()
     def load_parameters_into_shards(self) -> None:

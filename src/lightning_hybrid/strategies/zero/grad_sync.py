@@ -170,8 +170,27 @@ class GradientSync:
         discard its gradients (ZeRO-0/3 set them aside instead; see ``PipelineRunner.train_step``)."""
 
     def current_gradients(self, module: nn.Module) -> list[Tensor]:
-        """This rank's part of the gradient accumulated so far in the window (for the noise scale)."""
-        return [p.grad for p in module.parameters() if p.grad is not None]
+        """This rank's part of the gradient accumulated so far in the window (for the noise scale); a
+        parameter every tensor-parallel rank holds whole is given by the first of them only."""
+        skip = self._not_counted_here()
+        return [p.grad for p in module.parameters() if p.grad is not None and id(p) not in skip]
+
+    def step_gradients(self, optimizer: Optimizer) -> list[Tensor]:
+        """The gradients ``optimizer`` steps with, each element given by ``gradient_holders()`` ranks."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return self._counted(grads)
+
+    def _not_counted_here(self) -> set[int]:
+        """The parameters whose gradient another tensor-parallel rank counts (every one holds them whole)."""
+        return set() if self._counts_whole else {id(p) for p in self._whole_on_tp}
+
+    def _counted(self, grads: list[Tensor]) -> list[Tensor]:
+        """``grads`` (as the optimizer sees them) less the parts another tensor-parallel rank counts."""
+        if self._counts_whole:
+            return grads
+        given = {id(g) for g in grads}
+        skip = {id(g) for p in self._whole_on_tp for g in self._gradient_parts(p, given)}
+        return [g for g in grads if id(g) not in skip]
 
     def reduce(self, optimizer: Optimizer, *, scale: float | None = None) -> None:
         """The window's last backward ran: tied gradients summed over their stages, then this ZeRO stage's
@@ -209,13 +228,11 @@ class GradientSync:
         grads = list(grads)
         given = {id(g) for g in grads}
         # tensor parallelism: a gradient every tensor-parallel rank holds whole counts on the first one only
-        skip = set()
-        if not self._counts_whole:
-            skip = {id(g) for p in self._whole_on_tp for g in self._gradient_parts(p, given)}
+        counted = self._counted(grads)
+        skip = given - {id(g) for g in counted}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            if id(g) not in skip:
-                total += local(g).detach().float().pow(2).sum()
+        for g in counted:
+            total += local(g).detach().float().pow(2).sum()
         # a parameter tied across stages has the same (summed) gradient on each: count it on its first stage
         for param in self.ties.copies() if self.ties else []:
             for part in (g for g in self._gradient_parts(param, given) if id(g) not in skip):

@@ -166,7 +166,8 @@ class ShardedOptimizerGradients(GradientSync):
             sharded.after_backward()
 
     def current_gradients(self, module: nn.Module) -> list[Tensor]:
-        return [t for sharded in self._sharded.values() for t in sharded.local_gradients()]
+        skip = self._not_counted_here()
+        return [t for sharded in self._sharded.values() for t in sharded.local_gradients(skip)]
 
     def _reduce(self, optimizer: Optimizer) -> None:
         self._sharded[id(optimizer)].reduce_gradients()
