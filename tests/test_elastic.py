@@ -249,3 +249,16 @@ def test_torchrun_nnodes_1_to_2_goes_on_without_a_node_that_is_gone_for_good(tmp
         assert got["window_tokens"] == expected[str(step)]["window_tokens"], step
     ref_w, got_w = torch.load(tmp_path / "ref" / "ref.pt"), torch.load(cfg["weights"])
     assert max((ref_w[k] - got_w[k]).abs().max().item() for k in ref_w) < WEIGHT_TOL
+
+
+def test_dp2_tp2_to_dp1_tp2_and_back_keeps_the_tensor_parallel_degree(tmp_path):
+    """dp2 x tp2 ZeRO-1 (4 ranks) to step 4, dp1 x tp2 (2 ranks) to step 8, 4 ranks to step 10: the tensor-
+    parallel degree is kept and the data-parallel one re-derived from the world (the global batch kept by
+    the accumulation); every step's loss and the final weights are the uninterrupted run's."""
+    common = {"strategy": {"name": "hybrid_class", "kwargs": {"tensor_parallel_size": 2, "zero_stage": 1}}}
+    ref, runs = _chain(tmp_path, common, [(4, 4), (2, 8), (4, 10)])
+    _compare(tmp_path, ref, runs, 1, 10)
+    assert "world 4 -> 2 (dp 2 -> 1): accumulation 1 -> 2, global batch 8 kept, resuming at sample 32 of epoch 0" in (
+        runs[1].output
+    )
+    assert runs[1].rank(0)["accumulate_grad_batches"] == 2 and runs[2].rank(3)["accumulate_grad_batches"] == 1
