@@ -20,8 +20,13 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import Perplexity
 
@@ -200,6 +205,9 @@ class GPT(L.LightningModule):
             first and the last block. ``HybridParallelStrategy`` keeps it one parameter across pipeline stages.
             Not with ``build_on_meta`` (a tie made on the meta device would not survive block-by-block
             materialisation; the strategy refuses it).
+        sequence_parallel: with ``tensor_parallel_size > 1``, split the hidden states between the split layers
+            by sequence position too (see :meth:`tensor_parallel_plan`); the sequence length must be divisible
+            by the tensor-parallel size.
     """
 
     def __init__(
@@ -219,6 +227,7 @@ class GPT(L.LightningModule):
         max_steps: int = 1000,
         build_on_meta: bool = False,
         tie_embeddings: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -272,20 +281,48 @@ class GPT(L.LightningModule):
     def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict:
         """How each block splits over ``tensor_parallel_size`` ranks (Megatron's scheme): attention heads and
         the MLP's hidden units column-wise in, row-wise out; a vocabulary-parallel token embedding and output
-        head (tied, when ``tie_embeddings``, as one split parameter); norms and positions whole."""
+        head (tied, when ``tie_embeddings``, as one split parameter); norms and positions whole.
+
+        With ``sequence_parallel`` the hidden states between the split layers are split by sequence position
+        (Megatron's sequence parallelism, torchtitan's plan): the norms run on each rank's positions, each
+        split region gathers the sequence first and scatters its sum back (a reduce-scatter in place of an
+        all-reduce), and the head gathers the sequence before its logits."""
         tp = self.device_mesh["tensor_parallel"].size()  # the strategy's mesh, as Lightning attaches it
         if self.hparams.n_head % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide n_head ({self.hparams.n_head})")
+        sequence = self.hparams.sequence_parallel
+        split_out = {"output_layouts": Shard(1)} if sequence else {}
         if isinstance(block, TokenEmbedding):
-            return {"token": RowwiseParallel(input_layouts=Replicate())}
+            plan = {"token": RowwiseParallel(input_layouts=Replicate())}
+            if sequence:  # each rank keeps its positions from here on
+                plan["dropout"] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                )
+            return plan
         if isinstance(block, Block):
-            return {
+            plan = {
                 "attn.q": ColwiseParallel(),
                 "attn.k": ColwiseParallel(),
                 "attn.v": ColwiseParallel(),
-                "attn.proj": RowwiseParallel(),
+                "attn.proj": RowwiseParallel(**split_out),
                 "mlp.0": ColwiseParallel(),
-                "mlp.2": RowwiseParallel(),
+                "mlp.2": RowwiseParallel(**split_out),
+            }
+            if sequence:
+                gather = {
+                    "input_layouts": (Shard(1),),
+                    "desired_input_layouts": (Replicate(),),
+                    "use_local_output": True,
+                }
+                plan.update(
+                    {"ln_1": SequenceParallel(), "attn": PrepareModuleInput(**gather), "ln_2": SequenceParallel()}
+                )
+                plan["mlp"] = PrepareModuleInput(**gather)
+            return plan
+        if sequence:
+            return {
+                "ln_f": SequenceParallel(),
+                "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
             }
         return {"head": ColwiseParallel(output_layouts=Replicate())}
 
