@@ -14,6 +14,13 @@ from workers.common import build_model
 CLIP = {"trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}, "accumulate": 2, "clip": 0.5}
 
 
+TP2_AND_PP2_TP2 = pytest.mark.parametrize(
+    ("kwargs", "nproc"),
+    [({"tensor_parallel_size": 2}, 2), ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4)],
+    ids=["tp2", "pp2-tp2"],
+)
+
+
 def _whole_numel(model=None) -> int:
     base = {**BASE, "model": {**BASE["model"], **(model or {})}}
     return sum(p.numel() for p in build_model(base).parameters())  # a tied parameter counts once
@@ -58,11 +65,7 @@ def test_dp2_tp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("kwargs", "nproc"),
-    [({"tensor_parallel_size": 2}, 2), ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4)],
-    ids=["tp2", "pp2-tp2"],
-)
+@TP2_AND_PP2_TP2
 def test_tied_vocabulary_parallel_embedding_and_head_match_single_process(tmp_path, kwargs, nproc):
     """The token embedding (row-wise: vocabulary-parallel) and the output head (column-wise) are one tied
     parameter split the same way; across pipeline stages each tensor-parallel slice sums with its own."""
@@ -132,11 +135,7 @@ def test_checkpoint_chain_across_tensor_parallel_degrees_matches_uninterrupted_r
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("kwargs", "nproc"),
-    [({"tensor_parallel_size": 2}, 2), ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4)],
-    ids=["tp2", "pp2-tp2"],
-)
+@TP2_AND_PP2_TP2
 def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
     """The norms and the residual stream split by sequence position between the split layers (a reduce-scatter
     out of each, an all-gather into the next; the norms' gradients summed over the positions' ranks); across
