@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor, nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -208,6 +208,8 @@ class GPT(L.LightningModule):
         sequence_parallel: with ``tensor_parallel_size > 1``, split the hidden states between the split layers
             by sequence position too (see :meth:`tensor_parallel_plan`); the sequence length must be divisible
             by the tensor-parallel size.
+        loss_parallel: with ``tensor_parallel_size > 1``, keep the head's logits split by vocabulary and compute
+            the cross-entropy on the split (torch's loss parallelism): no rank holds the whole ``(B, T, V)``.
     """
 
     def __init__(
@@ -228,6 +230,7 @@ class GPT(L.LightningModule):
         build_on_meta: bool = False,
         tie_embeddings: bool = False,
         sequence_parallel: bool = False,
+        loss_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -319,12 +322,12 @@ class GPT(L.LightningModule):
                 )
                 plan["mlp"] = PrepareModuleInput(**gather)
             return plan
-        if sequence:
-            return {
-                "ln_f": SequenceParallel(),
-                "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-            }
-        return {"head": ColwiseParallel(output_layouts=Replicate())}
+        # the logits gathered, or kept split by vocabulary for a vocabulary-parallel loss (a DTensor: the strategy
+        # runs the loss and its backward under torch's loss_parallel())
+        logits = {"output_layouts": Shard(-1), "use_local_output": False} if self.hparams.loss_parallel else {}
+        inputs = {"input_layouts": Shard(1)} if sequence else {}
+        head = ColwiseParallel(**{"output_layouts": Replicate(), **inputs, **logits})
+        return {"ln_f": SequenceParallel(), "head": head} if sequence else {"head": head}
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.layers(idx)
@@ -350,6 +353,8 @@ class GPT(L.LightningModule):
         metric states update (and synchronise) everywhere; without one, ``validation_step`` calls it.
         """
         loss = self.pipeline_loss(output, target)
+        if isinstance(output, DTensor):  # logits split by vocabulary (loss_parallel): the metric takes them whole
+            output = output.full_tensor()
         self.val_perplexity.update(output.float(), target)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         self.log("val_ppl", self.val_perplexity, prog_bar=True)

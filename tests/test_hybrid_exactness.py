@@ -24,6 +24,7 @@ def _run_layout(
     model=None,
     atol=1e-4,
     reentrant_head=False,
+    **extra,
 ):
     base = {**BASE, "model": {**BASE["model"], **(model or {})}}
     cfg = {
@@ -38,6 +39,7 @@ def _run_layout(
         "save": str(tmp_path / "ckpt"),
         "weights": str(tmp_path / "weights.pt"),
         "reentrant_head": reentrant_head,
+        **extra,
     }
     job = launch("train_gpt.py", cfg, nproc=nproc, nnodes=nnodes)
     ref_losses, ref_weights = reference_run(base, steps=STEPS, accumulate=accumulate, clip=clip)

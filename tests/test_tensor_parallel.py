@@ -142,3 +142,19 @@ def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
     pipeline stages the hidden states travel split by sequence."""
     model = {"sequence_parallel": True}
     _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer={"accumulate_grad_batches": 2}, accumulate=2)
+
+
+@pytest.mark.multiproc
+@TP2_AND_PP2_TP2
+def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc):
+    """The head's logits stay split by vocabulary (a DTensor) and the cross-entropy is computed on the split,
+    forward and backward under torch's loss_parallel (run by the strategy): the same losses and weights as
+    one process, with the sequence split too on the pipeline."""
+    model = {"loss_parallel": True, "sequence_parallel": kwargs.get("pipeline_parallel_size", 1) > 1}
+    trainer = {"accumulate_grad_batches": 2}
+    job = _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer=trainer, accumulate=2, count_loss_comms=True)
+    # on the ranks that compute the loss: the logits arrive split by vocabulary, and the loss gathers none of
+    # them (loss parallelism reduces a max and two sums per row; without it DTensor would all-gather the logits)
+    seen = [job.rank(r)["loss_comms"] for r in range(nproc) if job.rank(r)["loss_comms"]]
+    assert seen and all(s["logits"] == ["S(2)"] for s in seen), seen
+    assert all(not any("gather" in k for k in s["comms"]) and s["comms"] for s in seen), seen

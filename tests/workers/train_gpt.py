@@ -88,9 +88,25 @@ def main(cfg: dict[str, Any]) -> None:
         head = model.layers[-1]
         forward = head.forward
         head.forward = lambda x: torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=True)
+    if cfg.get("count_loss_comms"):  # the collectives the loss runs on its logits (DTensor ones), per kind
+        from torch.distributed.tensor import DTensor as _DTensor
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        loss_fn, seen = model.pipeline_loss, {}
+
+        def counted_loss(output, target):
+            with CommDebugMode() as comms:
+                loss = loss_fn(output, target)
+            seen["logits"] = [str(p) for p in output.placements] if isinstance(output, _DTensor) else "plain"
+            seen["comms"] = {str(k): v for k, v in comms.get_comm_counts().items()}
+            return loss
+
+        model.pipeline_loss = counted_loss
     data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
+    if cfg.get("count_loss_comms"):
+        report["loss_comms"] = seen
     if cfg.get("refreeze"):  # how far the block frozen mid-training moved since (it must not)
         now = dict(model.layers[cfg["refreeze"]["freeze"]].named_parameters())
         report["moved_after_freeze"] = max(float((now[n] - v).abs().max()) for n, v in recorder.frozen_at.items())

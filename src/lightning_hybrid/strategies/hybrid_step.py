@@ -26,6 +26,7 @@ from lightning_hybrid.strategies._state import (
     align_added_groups,
 )
 from lightning_hybrid.strategies.pipeline.counted_loss import weighted
+from lightning_hybrid.strategies.tensor.local import loss_context, plain_loss
 
 
 class HybridStep:
@@ -35,7 +36,8 @@ class HybridStep:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
             self._settle_skips()  # a previous micro-batch's agreement that no backward settled
-            output = super().training_step(*args, **kwargs)
+            with loss_context(self.layout.tensor_parallel_size):
+                output = plain_loss(super().training_step(*args, **kwargs))
             self._agree_on_skips(output)
             return output if self._counted is None else self._weigh_by_count(output, args[0])
         module = self.lightning_module
@@ -45,7 +47,7 @@ class HybridStep:
         # runner until backward()
         sync.hold_gradients(False)
         sync.before_backward()
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), loss_context(self.layout.tensor_parallel_size):
             loss = self._runner.train_step(
                 args[0],
                 accumulation=module.trainer.accumulate_grad_batches,
@@ -153,7 +155,8 @@ class HybridStep:
         sync = self._gradient_sync
         if self._runner is None:
             sync.before_backward()
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with loss_context(self.layout.tensor_parallel_size):  # the backward of a vocabulary-parallel loss
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
             sync.after_backward()
             self._settle_skips()  # the reductions are done: the agreement arrived long ago
         else:
@@ -274,15 +277,17 @@ class HybridStep:
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runner is None:
-            return super().validation_step(*args, **kwargs)
-        return self._pipelined_eval_step("validation_step", "val_loss", args[0], _batch_idx(args, kwargs))
+        with loss_context(self.layout.tensor_parallel_size):
+            if self._runner is None:
+                return plain_loss(super().validation_step(*args, **kwargs))
+            return self._pipelined_eval_step("validation_step", "val_loss", args[0], _batch_idx(args, kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runner is None:
-            return super().test_step(*args, **kwargs)
-        return self._pipelined_eval_step("test_step", "test_loss", args[0], _batch_idx(args, kwargs))
+        with loss_context(self.layout.tensor_parallel_size):
+            if self._runner is None:
+                return plain_loss(super().test_step(*args, **kwargs))
+            return self._pipelined_eval_step("test_step", "test_loss", args[0], _batch_idx(args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ from lightning_hybrid.strategies._layout import Layout, last_stage_rank
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
 from lightning_hybrid.strategies.pipeline.failures import PipelineFailures
 from lightning_hybrid.strategies.pipeline.split import build_schedule
+from lightning_hybrid.strategies.tensor.local import plain_loss
 
 __all__ = ["PipelineRunner", "pipeline_loss_scaling"]
 
@@ -107,7 +108,7 @@ class PipelineRunner:
             n = self.counted.count(target)
             if n == 0:  # nothing counted in this micro-batch (all padding): it adds nothing, and no 0/0
                 return _zero_from(output)
-        mean = self.module.pipeline_loss(output, target)
+        mean = plain_loss(self.module.pipeline_loss(output, target))  # a vocabulary-parallel loss: a DTensor
         if self.counted is not None:
             self._parts.append((mean.detach().double(), torch.tensor(n, dtype=torch.float64, device=mean.device)))
             loss = mean * self.counted.weight(n)  # the window's correction replaces the division

@@ -15,6 +15,7 @@ lookups only: ``named_parameters``, ``state_dict`` and their order stay the plai
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_hybrid._slices import TensorSlice, mark_slice, tensor_slice
 from lightning_hybrid._torch_compat import own_parameters
@@ -29,9 +31,11 @@ from lightning_hybrid._torch_compat import own_parameters
 __all__ = [
     "TensorSlice",
     "local_boxes",
+    "loss_context",
     "local_part",
     "localize",
     "plain",
+    "plain_loss",
     "split_tensors",
     "state_name",
     "tensor_slice",
@@ -204,3 +208,20 @@ def split_tensors(params: list[Tensor], first: int = 0) -> dict[int, dist.Proces
         if found is not None and found.dim is not None:
             out[first + i] = found.mesh.get_group()
     return out
+
+
+def plain_loss(value: Any) -> Any:
+    """A loss computed on DTensors (a vocabulary-parallel cross-entropy gives a replicated DTensor) as a plain
+    tensor with its graph, so that Lightning and the pipeline see what they see without tensor parallelism; a
+    ``{"loss": ...}`` dict has its loss converted; anything else is returned as it is."""
+    if isinstance(value, dict) and isinstance(value.get("loss"), DTensor):
+        return {**value, "loss": plain_loss(value["loss"])}
+    if isinstance(value, DTensor):
+        return value.to_local() if all(p.is_replicate() for p in value.placements) else value.full_tensor()
+    return value
+
+
+def loss_context(tensor_parallel_size: int) -> contextlib.AbstractContextManager[None]:
+    """torch's ``loss_parallel()`` under tensor parallelism (a cross-entropy on logits split by vocabulary,
+    forward and backward, is exact without gathering them), else nothing."""
+    return loss_parallel() if tensor_parallel_size > 1 else contextlib.nullcontext()
