@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -83,6 +84,16 @@ def sharded_gpt() -> type:
             fully_shard(self, mesh=mesh)
 
     return ShardedGPT
+
+
+def benchmark_arguments(doc: str | None, *, d_model: int, n_layer: int) -> argparse.ArgumentParser:
+    """The arguments every model benchmark takes: its worker's config, the model's size, the results folder."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--d-model", type=int, default=d_model)
+    parser.add_argument("--n-layer", type=int, default=n_layer)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    return parser
 
 
 def publish(lines: list[str], out: Path, name: str) -> None:

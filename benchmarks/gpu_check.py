@@ -43,6 +43,20 @@ CHECKS: dict[str, tuple[str, Any, str, float]] = {
         "32-true",
         1e-4,
     ),
+    # tensor parallelism over NCCL: the example GPT's plan (heads and MLP split, vocabulary-parallel ends)
+    "hybrid tp2 x ZeRO-1, dp = devices / 2": ("all", {"tensor_parallel_size": 2, "zero_stage": 1}, "32-true", 1e-4),
+    "hybrid tp2 x ZeRO-3 (2-D FSDP2), dp = devices / 2": (
+        "all",
+        {"tensor_parallel_size": 2, "zero_stage": 3},
+        "32-true",
+        1e-4,
+    ),
+    "hybrid pp2 x tp2 (1f1b), dp = devices / 4": (
+        "all",
+        {"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+        "32-true",
+        1e-4,
+    ),
     "hybrid ZeRO-2, bf16-mixed": ("all", {"zero_stage": 2}, "bf16-mixed", 2e-2),
     "hybrid ZeRO-2, fp16 AdaptiveLossScaling": ("all", {"zero_stage": 2}, "fp16-adaptive", 2e-2),
     "DeepSpeedPipelineStrategy pp2 x ZeRO-1": (
@@ -174,7 +188,8 @@ def _check(args: argparse.Namespace, start: float, work: Path) -> None:
         if skip:
             table.check(name, ranks, "skipped", skip)
             continue
-        global_batch = 8 * (ranks // (spec or {}).get("pipeline_parallel_size", 1))
+        model_parallel = (spec or {}).get("pipeline_parallel_size", 1) * (spec or {}).get("tensor_parallel_size", 1)
+        global_batch = 8 * (ranks // model_parallel)  # 8 samples per data-parallel replica
         # several devices: one device in the same precision (the distribution is exact); one device: fp32
         key = (precision if want == "all" else "32-true", global_batch)
         try:
@@ -223,7 +238,7 @@ class _Table:
         passed = "exact" if against == precision else "close"  # the same precision, or against fp32
         self.check(name, ranks, passed if diff <= tol else "FAILED", detail, failed=not diff <= tol)
         stage = spec.get("zero_stage") if spec and precision == "32-true" and "engine" not in spec else None
-        if peak and stage is not None and "pipeline_parallel_size" not in spec:
+        if peak and stage is not None and "pipeline_parallel_size" not in spec and "tensor_parallel_size" not in spec:
             formula = reports[0]["psi"] * {0: 16, 1: 8 + 8 / ranks, 2: 4 + 12 / ranks, 3: 16 / ranks}[stage]
             mib = f"{peak / 2**20:.0f} | {formula / 2**20:.0f}"
             self.memory.append(f"| ZeRO-{stage} | {ranks} | {mib} | {peak / formula:.2f} |")
@@ -251,6 +266,9 @@ def _skip(n: int, ranks: int, spec: Any, precision: str, cpu: bool, elapsed: flo
         return "no CUDA GPU on this machine"
     if ranks < 2 and spec is not None:
         return f"needs 2 devices, the node has {n}"
+    model_parallel = (spec or {}).get("pipeline_parallel_size", 1) * (spec or {}).get("tensor_parallel_size", 1)
+    if spec is not None and ranks % model_parallel:
+        return f"needs a multiple of {model_parallel} devices, the node has {n}"
     if spec is not None and spec.get("engine") == "deepspeed" and not _deepspeed():
         return "deepspeed is not installed"
     if precision == "bf16-mixed" and not cpu and not _bf16():

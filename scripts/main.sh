@@ -13,5 +13,5 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$PY" examples/gpt.py fit --config examples/configs/main.yaml "${devices[@]}" "$@"
-# then a Hugging Face Llama through CausalLM (pp2 x dp2 ZeRO-1), exported as a save_pretrained folder
+# then a Hugging Face Llama through CausalLM (pp2 x tp2, ZeRO-1), exported as a save_pretrained folder
 exec "$PY" examples/causal_lm.py fit --config examples/configs/llama.yaml "${devices[@]}"

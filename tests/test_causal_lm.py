@@ -140,7 +140,6 @@ CASES = {
     # tensor parallelism from the model's own base_model_tp_plan: GQA (4 query heads, 2 key/value heads) split
     # over 2 ranks keeps 2 query heads and 1 key/value head on each; the head's logits gathered
     "llama-tp2-eager": ("llama", "eager", _hybrid(tensor_parallel_size=2), 2),
-    "qwen2-pp2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
     "llama-deepspeed-pp2": (
         "llama",
         "eager",
@@ -149,6 +148,7 @@ CASES = {
     ),
 }
 SLOW_CASES = {
+    "qwen2-pp2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
     "llama-dp2-tp2-zero3-sdpa": (
         "llama",
         "sdpa",

@@ -242,7 +242,10 @@ def _held_whole_by_each_tensor_parallel_rank(name: str) -> bool:
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("strategy", "nproc"),
-    [({"tensor_parallel_size": 2}, 2), ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4)],
+    [
+        ({"tensor_parallel_size": 2}, 2),
+        pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4, marks=pytest.mark.slow),
+    ],
     ids=["tp2", "dp2-tp2-zero3"],
 )
 def test_init_from_under_tensor_parallelism_reads_each_slice_once(tmp_path, strategy, nproc):

@@ -14,9 +14,13 @@ from workers.common import build_model
 CLIP = {"trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}, "accumulate": 2, "clip": 0.5}
 
 
+# the tp2 case in the default run, the pp2 x tp2 one (4 processes) in the slow tier
 TP2_AND_PP2_TP2 = pytest.mark.parametrize(
     ("kwargs", "nproc"),
-    [({"tensor_parallel_size": 2}, 2), ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4)],
+    [
+        ({"tensor_parallel_size": 2}, 2),
+        pytest.param({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, marks=pytest.mark.slow),
+    ],
     ids=["tp2", "pp2-tp2"],
 )
 
@@ -55,7 +59,9 @@ def test_pp2_tp2_matches_single_process(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "zero_stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow), 3]
+)
 def test_dp2_tp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
     kwargs = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": zero_stage}
     job = _run_layout(tmp_path, kwargs, nproc=4, trainer=CLIP["trainer"], accumulate=2, clip=0.5)
@@ -79,7 +85,7 @@ def test_tied_vocabulary_parallel_embedding_and_head_match_single_process(tmp_pa
     ("kwargs", "nproc"),
     [
         ({"tensor_parallel_size": 2}, 2),
-        ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 2}, 4),
+        pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 2}, 4, marks=pytest.mark.slow),
         ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4),
     ],
     ids=["tp2", "dp2-tp2-zero2", "dp2-tp2-zero3"],

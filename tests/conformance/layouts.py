@@ -7,6 +7,7 @@ from typing import Any
 
 PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2, "schedule": "1f1b"}
 DP2 = {"data_parallel_size": 2}
+TP2 = {"tensor_parallel_size": 2}
 # about 260 fp32 elements a bucket: every shape's stage spans several buckets, so the order in which buckets
 # start during backward, their overlap and the late-gradient checks all run
 SMALL_BUCKETS = {"zero": {"bucket_size_mb": 0.001}}
@@ -39,6 +40,12 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
         2,
         2,
     ),
+    # tensor parallelism (each shape's plan: its Linear layers split by outputs, gathered), after the layouts
+    # without it: the resume chain crosses from tp1 to tp2 and back (to DeepSpeed)
+    "tp2": (2, {"name": "hybrid", "kwargs": {**TP2}}, 1, 1),
+    "pp2xtp2": (4, {"name": "hybrid", "kwargs": {**PP2, **TP2}}, 1, 2),
+    "dp2xtp2-zero1": (4, {"name": "hybrid", "kwargs": {**DP2, **TP2, "zero_stage": 1, **SMALL_BUCKETS}}, 2, 1),
+    "dp2xtp2-zero3": (4, {"name": "hybrid", "kwargs": {**DP2, **TP2, "zero_stage": 3}}, 2, 1),
     "deepspeed-pp2-zero0": (
         2,
         {"name": "deepspeed", "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2, "zero_stage": 0}},
@@ -53,15 +60,30 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
     ),
 }
 
-PIPELINES = ["pp2", "pp2xdp2-zero0", "pp2xdp2-zero1", "pp2xdp2-zero2", "deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
+PIPELINES = [
+    "pp2",
+    "pp2xdp2-zero0",
+    "pp2xdp2-zero1",
+    "pp2xdp2-zero2",
+    "pp2xtp2",
+    "deepspeed-pp2-zero0",
+    "deepspeed-pp2-zero1",
+]
 DEEPSPEED = ["deepspeed-pp2-zero0", "deepspeed-pp2-zero1"]
-ZERO3 = ["dp2-zero3", "dp2-zero3-submodules"]
+ZERO3 = ["dp2-zero3", "dp2-zero3-submodules", "dp2xtp2-zero3"]
+TENSOR = ["tp2", "pp2xtp2", "dp2xtp2-zero1", "dp2xtp2-zero3"]
+MANUAL = ("manual-optimization", "manual-edits", "manual-frozen")
+# shapes whose hooks (or manual optimization) read or edit gradients between backward and the step
+GRADIENT_CODE = (
+    "grad-scaled", "grad-surgery", "grad-hand-set", "grad-estimated", "step-hook-groups", "step-hook-params",
+    "outside-optimizer", *MANUAL,
+)  # fmt: skip
 
 # (layout, shape): what every rank's error says, whatever the optimizer. Anything else that fails is a defect.
 TIED_SHAPES = ("tied", "hf-gpt2", "hf-bert", "causal-lm-gpt2-tied")  # input and output embeddings one Parameter
 REFUSED: dict[tuple[str, str], str] = {
     **{(layout, "backbone-finetuning"): "adds param groups to the optimizer" for layout in DEEPSPEED},
-    **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, *ZERO3]},
+    **{(layout, "swa"): "keeps a whole copy of the module" for layout in [*PIPELINES, *ZERO3, *TENSOR]},
     # user code that edits .grad where ZeRO-2 handed the gradient off, or the model's .grad at the step under
     # ZeRO-1/2 (each rank keeps its shard): refused by the placeholder in .grad, naming the parameter
     **{
@@ -86,6 +108,7 @@ REFUSED: dict[tuple[str, str], str] = {
             "dp2-zero2-once",
             "pp2xdp2-zero1",
             "pp2xdp2-zero2",
+            "dp2xtp2-zero1",
             "deepspeed-pp2-zero1",
         )
     },
@@ -140,4 +163,16 @@ REFUSED: dict[tuple[str, str], str] = {
     **{(layout, "clip-value"): "clips gradients by their norm only" for layout in DEEPSPEED},
     **{(layout, "fp16-scaled"): "cannot drive DeepSpeed's engine" for layout in DEEPSPEED},
     ("deepspeed-pp2-zero0", "bf16-mixed"): "accumulates bf16 gradients only in bf16",
+    # tensor parallelism with ZeRO-0/1/2: .grad of a split parameter is this rank's slice, so user code that
+    # reads or edits gradients before the step is refused (under ZeRO-3 they are DTensors: exact); a pipeline
+    # refuses manual optimization first
+    **{
+        (layout, s): "under tensor parallelism with zero_stage="
+        for layout in ("tp2", "pp2xtp2", "dp2xtp2-zero1")
+        for s in GRADIENT_CODE
+        if (layout, s) not in {(p, m) for p in PIPELINES for m in MANUAL}
+    },
+    **{(layout, "tensor-hook"): "the tensor-parallel plan replaces that parameter" for layout in TENSOR},
+    # the shapes' generic plan splits BERT's decoder (its bias tied to the prediction head's own, kept whole)
+    **{(layout, "hf-bert"): "the tensor-parallel plan splits them differently" for layout in TENSOR},
 }

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BackboneFinetuning, Callback, LearningRateMonitor, StochasticWeightAveraging
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import TensorDataset
 
 GLOBAL_BATCH = 8  # samples per optimizer step, whatever the layout
@@ -63,6 +65,18 @@ class Shape(L.LightningModule):
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
         return F.mse_loss(output.float(), target.float())
+
+    def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict[str, Any]:
+        """Under tensor parallelism: every ``nn.Linear`` of a block split by its outputs, and every
+        ``nn.Embedding`` by its rows, the output gathered (exact whatever follows; most weights split)."""
+        size = self.device_mesh["tensor_parallel"].size()
+        plan: dict[str, Any] = {}
+        for sub, module in block.named_modules():
+            if isinstance(module, nn.Linear) and module.out_features % size == 0:
+                plan[sub] = ColwiseParallel(output_layouts=Replicate())
+            elif isinstance(module, nn.Embedding) and module.num_embeddings % size == 0:
+                plan[sub] = RowwiseParallel(input_layouts=Replicate())
+        return plan
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from lightning_hybrid._torch_compat import default_store
 from lightning_hybrid.callbacks import FaultTolerantCheckpoint
 from lightning_hybrid.strategies import DeepSpeedPipelineStrategy, HybridParallelStrategy, ZeroConfig
+from lightning_hybrid.strategies.tensor import tensor_slices
 from lightning_hybrid.utilities import consolidate_checkpoint
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -121,7 +122,10 @@ def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -
     trainer.save_checkpoint(folder / "final")
     # this rank's own weights, as its module holds them (every rank gathers ZeRO-3's shards, in one order)
     mine = {}
+    slices = tensor_slices(trainer.lightning_module)  # tensor-parallel slices: gathered whole, in one order
     for key, value in trainer.lightning_module.state_dict().items():
+        if key in slices:
+            value = slices[key].as_dtensor(value)
         value = value.full_tensor() if isinstance(value, DTensor) else value
         mine[key] = value.detach().cpu().clone()
     torch.save(mine, folder / f"weights-rank{RANK}.pt")

@@ -62,12 +62,15 @@ def refuse_averaging(trainer: pl.Trainer, layout: Any, *, engine: str = "") -> N
     where = engine or (
         f"pipeline_parallel_size={layout.pipeline_parallel_size}"
         if layout.pipeline_parallel_size > 1
+        else f"tensor_parallel_size={layout.tensor_parallel_size}"
+        if layout.tensor_parallel_size > 1
         else ("zero_stage=3" if layout.zero_stage == 3 else "")
     )
     if where:
         raise ValueError(
             f"{names[0]} keeps a whole copy of the module and pairs its parameters with the module's by position;"
             f" under {where} this rank holds only part of the module, so the average would be silently wrong."
-            " Use it with pipeline_parallel_size=1 and zero_stage 0, 1 or 2, or average with torch.optim.swa_utils"
+            " Use it with pipeline_parallel_size=1, tensor_parallel_size=1 and zero_stage 0, 1 or 2, or average with"
+            " torch.optim.swa_utils"
             " inside the model."
         )

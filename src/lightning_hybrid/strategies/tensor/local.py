@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -221,7 +222,24 @@ def plain_loss(value: Any) -> Any:
     return value
 
 
-def loss_context(tensor_parallel_size: int) -> contextlib.AbstractContextManager[None]:
+_LOSS_PARALLEL_DEPTH = [0]  # torch's loss_parallel() is not re-entrant: a nested exit removes its ops twice
+
+
+@contextlib.contextmanager
+def loss_context(tensor_parallel_size: int) -> Iterator[None]:
     """torch's ``loss_parallel()`` under tensor parallelism (a cross-entropy on logits split by vocabulary,
-    forward and backward, is exact without gathering them), else nothing."""
-    return loss_parallel() if tensor_parallel_size > 1 else contextlib.nullcontext()
+    forward and backward, is exact without gathering them), else nothing; entered once however deeply nested
+    (a manual backward inside training_step)."""
+    if tensor_parallel_size <= 1 or _LOSS_PARALLEL_DEPTH[0]:
+        _LOSS_PARALLEL_DEPTH[0] += tensor_parallel_size > 1
+        try:
+            yield
+        finally:
+            _LOSS_PARALLEL_DEPTH[0] -= tensor_parallel_size > 1
+        return
+    _LOSS_PARALLEL_DEPTH[0] += 1
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _LOSS_PARALLEL_DEPTH[0] -= 1

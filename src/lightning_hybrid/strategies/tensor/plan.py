@@ -19,8 +19,16 @@ from fnmatch import fnmatch
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
+from lightning_hybrid._torch_compat import post_accumulate_hooks, tensor_hooks
 from lightning_hybrid.strategies.tensor.local import localize
 
 __all__ = ["TensorPlans", "plan_blocks"]
@@ -37,8 +45,10 @@ def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _matches(block: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
-    """The submodules of ``block`` a plan key names, as ``parallelize_module`` resolves it."""
+    """The submodules of ``block`` a plan key names, as ``parallelize_module`` resolves it (``""``: the block)."""
     found = [("", block)]
+    if not key:
+        return found
     for atom in key.split("."):
         found = [(f"{p}.{n}" if p else n, c) for p, m in found for n, c in m.named_children() if fnmatch(n, atom)]
     return found
@@ -71,10 +81,13 @@ class TensorPlans:
                         " on purpose (its weights and optimizer state are then held tensor_parallel_size times)."
                     )
                 plan = {}
+            if isinstance(plan, ParallelStyle):
+                plan = {"": plan}  # the block itself
             if not isinstance(plan, Mapping) or not all(isinstance(s, ParallelStyle) for s in plan.values()):
                 raise TypeError(
                     f"{kind}.tensor_parallel_plan({where!r}) must return a dict of submodule name -> torch parallel"
-                    f" style (ColwiseParallel(), RowwiseParallel(), ...), got {plan!r}."
+                    f" style (ColwiseParallel(), RowwiseParallel(), ...; the key '' is the block itself), or one"
+                    f" style for the block itself; got {plan!r}."
                 )
             for key, style in plan.items():
                 targets = _matches(block, key)
@@ -85,10 +98,12 @@ class TensorPlans:
                         f" block (its submodules: {inside}). Fix the name (fnmatch patterns per level work)."
                     )
                 for sub, target in targets:
-                    where_sub = f"{name}.{sub}" if name else sub
+                    where_sub = ".".join(n for n in (name, sub) if n)
                     self._check_divisible(where_sub, target, style)
                     for pname, dim in _split_dims(target, style).items():
                         self.splits[f"{where_sub}.{pname}"] = dim
+                    if not isinstance(style, (PrepareModuleInput, PrepareModuleOutput)):
+                        _refuse_hooked(where_sub, target)
             self.plans[name] = dict(plan)
         self._check_ties(module, kind)
 
@@ -141,13 +156,29 @@ class TensorPlans:
         """Split one block on ``mesh`` by its plan (once): its parameters stay DTensors with ``keep_dtensors``
         (ZeRO-3 shards them over the data-parallel mesh on top, as torchtitan does), else become this rank's
         plain slices (:func:`localize`)."""
-        plan = self.plans.get(name)
+        plan = dict(self.plans.get(name) or {})
         if not plan or getattr(block, _SPLIT, False):
             return
-        parallelize_module(block, mesh, plan)
+        itself = plan.pop("", None)
+        if itself is not None:
+            parallelize_module(block, mesh, itself)
+        if plan:
+            parallelize_module(block, mesh, plan)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)
+
+
+def _refuse_hooked(where: str, module: nn.Module) -> None:
+    """A style replaces the parameters of the module it splits: a hook registered on one would stop running."""
+    for pname, p in module.named_parameters(recurse=False):
+        if tensor_hooks(p) or post_accumulate_hooks(p):
+            raise ValueError(
+                f"{where}.{pname} has a gradient hook (register_hook / register_post_accumulate_grad_hook), and"
+                " the tensor-parallel plan replaces that parameter by its slice: the hook would silently stop"
+                " running. Register it after set-up (e.g. in on_fit_start, on the parameter the module then holds),"
+                f" or keep {where} whole in the plan."
+            )
 
 
 def _ties(module: nn.Module) -> list[list[str]]:

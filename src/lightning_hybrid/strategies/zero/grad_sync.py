@@ -95,6 +95,8 @@ class GradientSync:
             check_shardable(optimizer, self.zero_stage)
         self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
         self.user = user or UserGradientCode()
+        if self._tensor_parallel and self.zero_stage < 3:
+            refuse_gradient_code_on_slices(self.user, self.zero_stage)
         if self.ties is not None:  # on every rank: it agrees on the tied parameters' settings
             self.ties.attach(optimizers)
         if self.zero_stage < 3 and self.data_parallel_size > 1:  # FSDP2 reduces every parameter of its units
@@ -360,3 +362,27 @@ def comm_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
 
 def named_parameters(module: nn.Module) -> dict[Tensor, str]:
     return {p: n for n, p in module.named_parameters()}
+
+
+def refuse_gradient_code_on_slices(user: UserGradientCode, zero_stage: int) -> None:
+    """Under tensor parallelism with ZeRO-0/1/2 each rank's ``.grad`` of a split parameter is its slice, a plain
+    tensor: user code between backward and the step that computes anything over more than one element (a norm,
+    a projection, a dot product) would silently see its slice only. Refused on every rank (the hooks are the
+    same everywhere)."""
+    hooks = [
+        name
+        for name, present in (
+            ("on_after_backward", user.after_backward),
+            ("on_before_optimizer_step / configure_gradient_clipping", user.before_step),
+            ("manual optimization", user.manual),
+        )
+        if present
+    ]
+    if hooks:
+        raise ValueError(
+            f"{hooks[0]} can read or change the gradients before the step, and under tensor parallelism with"
+            f" zero_stage={zero_stage} each rank's .grad is its slice of a split parameter's gradient (a plain"
+            " tensor): a norm, a projection or any value over more than one element computed there would be this"
+            " rank's part only. Use zero_stage=3 (gradients are DTensors, whose reductions span the ranks), clip"
+            " with Trainer(gradient_clip_val=...) (the strategy's global norm), or tensor_parallel_size=1."
+        )
