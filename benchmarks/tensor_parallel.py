@@ -21,6 +21,7 @@ ZeRO-1 / ZeRO-3 each rank's peak resident memory against ``P_tp = P_split / T + 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -49,9 +50,10 @@ def _build(cfg: dict[str, Any]) -> tuple[Any, Any, list[int]]:
     vocab = data.vocab_size + data.vocab_size % 2  # even: the vocabulary-parallel embedding splits it in two
     model = GPT(
         vocab_size=vocab, block_size=cfg["block_size"], n_layer=cfg["n_layer"], d_model=cfg["d_model"], n_head=8,
-        optimizer="adamw", dropout=0.0,
+        optimizer="adamw", dropout=0.0, build_on_meta=cfg.get("meta", False),
     )  # fmt: skip
     loader = DataLoader(data.train_set, batch_size=cfg["batch_size"], drop_last=True)
+    model.configure_model()  # built on the meta device (``meta``): its blocks exist, nothing is allocated
     blocks = len(model.layers)
     return model, loader, [blocks // 2, blocks - blocks // 2]
 
@@ -98,7 +100,7 @@ def worker(cfg: dict[str, Any]) -> None:
         stage = PipelineStage(stage_module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
         schedule = Schedule1F1B(stage, n_microbatches=cfg["microbatches"], loss_fn=_loss)
         optimizer = torch.optim.AdamW(stage_module.parameters(), lr=3e-4)
-        batches = iter(loader)
+        batches = itertools.cycle(loader)  # a small corpus: the same batches again, as Lightning's epochs
         t0 = time.perf_counter()
         for _ in range(cfg["steps"]):
             x, y = next(batches)
@@ -154,6 +156,8 @@ def main() -> None:
     parser = benchmark_arguments(__doc__, d_model=384, n_layer=6)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--memory-d-model", type=int, default=768, help="the memory rows' model (states dominate)")
+    parser.add_argument("--memory-n-layer", type=int, default=12)
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
@@ -174,32 +178,49 @@ def main() -> None:
         rounds.append(times)
     model, _, _ = _build(base)
     psi = sum(p.numel() for p in model.parameters())
-    lines = [
-        f"pp2 x tp2 on 4 CPU processes, GPT d_model={args.d_model} n_layer={args.n_layer} ({psi / 1e6:.1f}M"
-        f" parameters), 1F1B, 4 micro-batches of 2 x 128 tokens, AdamW; median step of the slowest rank",
-        "",
-        "| round | torch plain loop s | HybridParallelStrategy s | hybrid / torch |",
-        "|---|---|---|---|",
-    ]
+    lines = (
+        []
+        if not rounds
+        else [
+            f"pp2 x tp2 on 4 CPU processes, GPT d_model={args.d_model} n_layer={args.n_layer} ({psi / 1e6:.1f}M"
+            f" parameters), 1F1B, 4 micro-batches of 2 x 128 tokens, AdamW; median step of the slowest rank",
+            "",
+            "| round | torch plain loop s | HybridParallelStrategy s | hybrid / torch |",
+            "|---|---|---|---|",
+        ]
+    )
     for i, t in enumerate(rounds):
         lines.append(f"| {i + 1} | {t['torch']:.3f} | {t['hybrid']:.3f} | {t['hybrid'] / t['torch']:.3f} |")
-    ratio = statistics.median(t["hybrid"] / t["torch"] for t in rounds)
-    lines += ["", f"median hybrid / torch: {ratio:.3f}", ""]
+    if rounds:
+        ratio = statistics.median(t["hybrid"] / t["torch"] for t in rounds)
+        lines += ["", f"median hybrid / torch: {ratio:.3f}", ""]
     layouts = {
-        "pp2 x tp2, ZeRO-0": (pp_tp, 0, 1),
+        "pp2 x tp2, ZeRO-0": ({**pp_tp, "num_microbatches": 2}, 0, 1),
         "tp2 x dp2, ZeRO-1": ({"tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 1}, 1, 2),
         "tp2 x dp2, ZeRO-3": ({"tensor_parallel_size": 2, "data_parallel_size": 2, "zero_stage": 3}, 3, 2),
+        # the control: no tensor parallelism, the same formula as the row above (16 / 4 x P = 16 / 2 x P / 2)
+        "dp4, ZeRO-3 (no TP)": ({"data_parallel_size": 4, "zero_stage": 3}, 3, 4),
     }
+    # a model whose states dominate the peak: one or two sequences of 64 tokens per rank and step
+    # built on the meta device, as a model that needs tensor parallelism is: each rank materialises its blocks
+    # one at a time and splits each at once
+    memory = {"d_model": args.memory_d_model, "n_layer": args.memory_n_layer, "block_size": 64, "steps": 3}
+    shape_only, _, _ = _build({**base, **memory, "meta": True})
+    psi = sum(p.numel() for p in shape_only.parameters())
+    del shape_only
     lines += [
-        "Per-rank peak resident memory (above the process's baseline, set-up and steps), against the ZeRO formula",
-        "on the parameters a rank holds with tensor parallelism, P_tp = P_split / T + P_whole:",
+        f"Per-rank peak resident memory, GPT d_model={args.memory_d_model} n_layer={args.memory_n_layer}"
+        f" ({psi / 1e6:.1f}M parameters), 64-token sequences, AdamW, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}:",
+        "the high-water mark above the process's baseline (set-up and steps), against the ZeRO formula on the",
+        "parameters a rank holds with tensor parallelism, P_tp = P_split / T + P_whole:",
         "",
         "| layout | P_tp (max rank) | P_tp / P | peak MB (max rank) | formula MB | peak / formula |",
         "|---|---|---|---|---|---|",
     ]
     for label, (strategy, zero, n) in layouts.items():
         print(f"memory {label} ...", flush=True)
-        reports = run_job(__file__, {**base, "steps": 3, "kind": "hybrid", "strategy": strategy}, 4, jobs / label[:9])
+        job = {**base, **memory, "meta": True, "batch_size": 2 if n == 1 else 1, "kind": "hybrid", "strategy": strategy}
+        reports = run_job(__file__, job, 4, jobs / label.replace(" ", "_").replace(",", ""), 1800)
         held = max(rep["held"] * (n if zero == 3 else 1) for rep in reports)
         peak = max(rep["peak"] for rep in reports)
         formula = FORMULA[zero](n) * held
@@ -212,7 +233,7 @@ def main() -> None:
         " under ZeRO-3 a rank's shard times N. The peak includes the step's activations and the library's own"
         " memory, which the formula does not count."
     )
-    publish(lines, args.out, "tensor_parallel_cpu.txt")
+    publish(lines, args.out, "tensor_parallel_cpu.txt" if rounds else "tensor_parallel_memory_cpu.txt")
 
 
 if __name__ == "__main__":
