@@ -18,7 +18,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from layouts import LAYOUTS  # noqa: E402
+from layouts import LAYOUTS, RUN_PY_ONLY  # noqa: E402
 from matrix import Matrix  # noqa: E402
 
 pytestmark = [pytest.mark.conformance, pytest.mark.multiproc, pytest.mark.slow]
@@ -29,7 +29,7 @@ def matrix(tmp_path_factory) -> Matrix:
     return Matrix(tmp_path_factory.mktemp("conformance"))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in RUN_PY_ONLY])
 def test_layout(matrix: Matrix, layout: str) -> None:
     problems = matrix.run_layout(layout)
     assert not problems, "\n".join(problems)
@@ -39,7 +39,7 @@ def test_every_cell_decided(matrix: Matrix) -> None:
     """Every cell was run and is exact or refused (a layout whose launch failed leaves cells undecided)."""
     table = matrix.table()
     print(table)
-    undecided = matrix.undecided()
+    undecided = [c for c in matrix.undecided() if c.rpartition(" x ")[2] not in RUN_PY_ONLY]
     assert not undecided, f"cells not decided: {undecided}\n{table}"
     # the routed experts really were used by some ranks only in some step of a data-parallel layout
     assert matrix.rank_dependent_experts, "no step used an expert on one replica only: the shape tests nothing"
