@@ -13,7 +13,8 @@ CPU, glibc keeps freed chunks resident unless its mmap threshold is pinned, so e
 live tensors). On GPU the same table would read ``torch.cuda.max_memory_allocated``.
 
 Rows: Lightning's own DDP and ModelParallelStrategy (FSDP2) on the same model, and HybridParallelStrategy at
-every ZeRO stage (ZeRO-2 with both gradient-reduction settings). Also: the peak while materialising a
+every ZeRO stage (ZeRO-2 with both gradient-reduction settings), and with tensor_parallel_size=2 (against the
+formula on the parameters a rank holds). Also: the peak while materialising a
 meta-built model at pp2, and while loading pretrained weights (``init_from``) at pp2, against the model
 size. A PNG draws each rank's resident memory over one step.
 """
@@ -156,6 +157,8 @@ def worker(cfg: dict[str, Any]) -> None:
         "samples": [(t, rss - baseline) for t, rss in sampler.samples],
     }  # fmt: skip
     report["peak"] = max(report["step_peak"], report["setup_peak"])
+    # the parameters this rank holds (a tensor-parallel slice, a DTensor's local part): the formula's count
+    report["held"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     Path(cfg["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
     held.clear()
 
@@ -206,6 +209,8 @@ def _plain_loop(cfg: dict[str, Any], model_kwargs: dict[str, Any], loader: Any, 
         "step_time": statistics.median(steps[1:]), "samples": [(t, rss - baseline) for t, rss in sampler.samples],
     }  # fmt: skip
     report["peak"] = max(report["step_peak"], report["setup_peak"])
+    # the parameters this rank holds (a tensor-parallel slice, a DTensor's local part): the formula's count
+    report["held"] = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -216,7 +221,8 @@ def _plain_loop(cfg: dict[str, Any], model_kwargs: dict[str, Any], loader: Any, 
 def zero_formula(kind: str, n: int) -> float:
     """Bytes per parameter of fp32 params + grads + Adam state per rank (ZeRO paper, K = 8 for Adam)."""
     return {"ddp": 16.0, "plain_ddp": 16.0, "plain_fsdp": 16 / n, "model_parallel": 16 / n, "z0": 16.0,
-            "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n, "z3": 16 / n, "z3s": 16 / n}[kind]  # fmt: skip
+            "z1": 8 + 8 / n, "z2": 4 + 12 / n, "z2w": 8 + 8 / n, "z3": 16 / n, "z3s": 16 / n,
+            "tp2": 16.0}[kind]  # fmt: skip
 
 
 def draw(runs: dict[str, list[dict[str, Any]]], psi: int, path: Path) -> None:
@@ -251,6 +257,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only these rows (labels as printed)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--mmap-threshold", default=MMAP_THRESHOLD, help="glibc's MALLOC_MMAP_THRESHOLD_ (bytes)")
+    parser.add_argument("--name", default="memory_cpu.txt", help="the results file (in --out)")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(Path(args.worker).read_text()))
@@ -273,6 +280,9 @@ def main() -> None:
             "z3s",
             {"kind": "hybrid", "strategy": {"zero_stage": 3, "zero": {"shard_units": "blocks"}}},
         ),
+        # tensor parallelism over the 2 processes (dp 1): the formula on P_tp = P_split / 2 + P_whole, the
+        # parameters a rank holds (4-process layouts with ZeRO on top: benchmarks/tensor_parallel.py)
+        "hybrid tensor_parallel_size=2": ("tp2", {"kind": "hybrid", "strategy": {"tensor_parallel_size": 2}}),
     }
     weights = Path(tempfile.mkdtemp(prefix="lh-memory-")) / "weights.pt"
     pp2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}
@@ -342,7 +352,8 @@ def main() -> None:
     for label, reports in results.items():
         key = rows[label][0]
         peaks[key] = peak = max(r["peak"] for r in reports)
-        formula = zero_formula(key, 2) * psi
+        # tensor parallelism: the formula on what a rank holds (P_tp), not on the whole model
+        formula = zero_formula(key, 2) * (max(r["held"] for r in reports) if key == "tp2" else psi)
         step = statistics.median(r["step_time"] for r in reports)
         lines.append(
             f"| {label:<34} | {peak / 1e6:>18.0f} | {formula / 1e6:>10.0f} | {peak / formula:>14.2f} | {step:>7.2f} |"
@@ -357,7 +368,8 @@ def main() -> None:
         "\npeak = high-water mark of resident memory above the process's own baseline before the model existed"
         " (set-up and steps);\nformula = fp32 params + grads + AdamW state per rank (DDP 16, Z1 8+8/N, Z2 4+12/N,"
         " Z3 16/N bytes/param;\n          ZeRO-2 once_per_step holds the full gradient for the window by design:"
-        " compared with ZeRO-1's)."
+        " compared with ZeRO-1's;\n          tensor_parallel_size=2: 16 bytes per parameter the rank holds, P_tp ="
+        " P_split / 2 + P_whole)."
     )
     if setup_results:
         model_bytes = psi * 4
@@ -394,7 +406,7 @@ def main() -> None:
         draw(plotted, psi, args.out / "memory_over_a_step.png")
         png = args.out / "memory_over_a_step.png"
         lines.append(f"\nper-rank memory over one step: {png.relative_to(ROOT) if png.is_relative_to(ROOT) else png}")
-    publish(lines, args.out, "memory_cpu.txt")
+    publish(lines, args.out, args.name)
 
 
 def _write_weights(base: dict[str, Any], path: Path) -> None:

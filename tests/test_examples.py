@@ -93,7 +93,8 @@ def test_init_from_written_in_yaml_with_a_key_map_reaches_the_strategy_as_weight
         "class_path": "lightning_hybrid.strategies.PretrainedWeights",
         "init_args": {"path": str(tmp_path / "folder"), "key_map": key_map},
     }
-    config["trainer"]["devices"] = 2  # pp2
+    config["trainer"]["devices"] = 2  # pp2 (the main job's tensor parallelism needs 4 processes)
+    strategy["tensor_parallel_size"] = 1
     config["model"]["lr"] = 0.0  # it trains (2 steps), and AdamW at lr 0 leaves the weights where they start
     out = _llama_job(config, tmp_path, "--trainer.max_steps=2", "--trainer.val_check_interval=2")
     assert "pipeline stages of CausalLM" in out

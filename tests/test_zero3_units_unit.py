@@ -145,7 +145,7 @@ def test_the_plan_is_what_a_meta_built_and_a_pipelined_model_get(one_rank_group)
     model.configure_model()  # the blocks, on the meta device
     model.layers[2].requires_grad_(False)
     plan = _plan(one_rank_group, rule)
-    materialize_module(model, device=torch.device("cpu"), seed=0, then=plan.shard_block)
+    materialize_module(model, device=torch.device("cpu"), seed=0, then=lambda name, block: plan.shard_block(block))
     shard_fully(model, stages=None, plan=plan)
     reference = _gpt(64)
     reference.layers[2].requires_grad_(False)

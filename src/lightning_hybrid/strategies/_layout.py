@@ -276,8 +276,9 @@ def resolve_layout(
     if dp == "auto":
         if world_size % pp:
             usable = ", ".join(str(pp * tp * n) for n in range(1, 5))
+            what = f"pipeline_parallel_size ({pp})" + (f" x tensor_parallel_size ({tp})" if tp > 1 else "")
             raise ValueError(
-                f"pipeline_parallel_size ({pp}) must divide the world size ({world_size * tp}): this layout runs on"
+                f"{what} must divide the world size ({world_size * tp}): this layout runs on"
                 f" {usable}, ... processes (a multiple of {pp * tp}); choose a divisor of {world_size} as"
                 " pipeline_parallel_size or change the number of processes (a resume reshards the checkpoint onto"
                 " either)."
