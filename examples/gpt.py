@@ -333,8 +333,11 @@ class GPT(L.LightningModule):
         return self.layers(idx)
 
     def pipeline_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        """Mean next-token cross-entropy over the micro-batch (the pipeline contract's loss)."""
-        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+        """Mean next-token cross-entropy over the micro-batch (the pipeline contract's loss). On logits split by
+        vocabulary (``loss_parallel``) it is computed on the split and comes back a replicated DTensor: its local
+        value is the loss, a plain tensor for logging and metrics (the graph runs through it)."""
+        loss = F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, target = batch

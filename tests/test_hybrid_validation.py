@@ -65,6 +65,8 @@ EXPECTED = {
     " splits",
     "tp_tie_split_differently": "layers.0.token.weight and layers.5.head.weight are one tied parameter, and the"
     " tensor-parallel plan splits them differently",
+    "tp_optimizer_not_elementwise": "torch.optim.Adafactor is not known to be element-wise (it factors the"
+    " second moment over each matrix's rows and columns), so tensor parallelism would step it on a slice",
     "ds_tensor_parallel": "tensor_parallel_size=2: DeepSpeed's pipeline engine has no tensor parallelism. Use"
     " HybridParallelStrategy(tensor_parallel_size=",
     # Lightning refuses a None from training_step in distributed training: on every rank alike, none waits

@@ -43,7 +43,10 @@ def _check_split(job, nproc: int, *, model=None, pp: int = 1) -> None:
 
 @pytest.mark.multiproc
 def test_tp2_with_accumulation_and_clipping_matches_single_process(tmp_path):
-    job = _run_layout(tmp_path, {"tensor_parallel_size": 2}, nproc=2, trainer=CLIP["trainer"], accumulate=2, clip=0.5)
+    # each rank seeds its own initialisation: the split weights are rank 0's (torch scatters them), and what
+    # every tensor-parallel rank holds whole (positions, norms) is made rank 0's by the strategy
+    tp2 = {"tensor_parallel_size": 2}
+    job = _run_layout(tmp_path, tp2, nproc=2, trainer=CLIP["trainer"], accumulate=2, clip=0.5, seed_by_rank=True)
     assert job.rank(0)["layout"] == {"pp": 1, "dp": 1, "tp": 2}
     # tensor-parallel peers read the same batches: one data-parallel replica
     assert [job.rank(r)["sampler"] for r in range(2)] == [{"num_replicas": 1, "rank": 0}] * 2
@@ -157,8 +160,12 @@ def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc
     forward and backward under torch's loss_parallel (run by the strategy): the same losses and weights as
     one process, with the sequence split too on the pipeline."""
     model = {"loss_parallel": True, "sequence_parallel": kwargs.get("pipeline_parallel_size", 1) > 1}
-    trainer = {"accumulate_grad_batches": 2}
-    job = _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer=trainer, accumulate=2, count_loss_comms=True)
+    trainer = {"accumulate_grad_batches": 2, "limit_val_batches": 1}
+    job = _run_layout(
+        tmp_path, kwargs, nproc=nproc, model=model, trainer=trainer, accumulate=2, count_loss_comms=True, validate=True
+    )
+    # evaluation too: the split logits reach the metric whole (under a pipeline, gathered on the last stage first)
+    assert all(job.rank(r)["validate"]["val_loss"] > 0 for r in range(nproc))
     # on the ranks that compute the loss: the logits arrive split by vocabulary, and the loss gathers none of
     # them (loss parallelism reduces a max and two sums per row; without it DTensor would all-gather the logits)
     seen = [job.rank(r)["loss_comms"] for r in range(nproc) if job.rank(r)["loss_comms"]]

@@ -120,6 +120,7 @@ CASES: dict[str, dict[str, Any]] = {
     "tp_vocabulary": {"strategy": {"tensor_parallel_size": 2}, "model": {"vocab_size": 63}},
     "tp_tie_split_differently": {"strategy": {"tensor_parallel_size": 2}, "tie": True, "plan": "untied_split"},
     "ds_tensor_parallel": {"deepspeed": {"tensor_parallel_size": 2}},
+    "tp_optimizer_not_elementwise": {"strategy": {"tensor_parallel_size": 2}, "adafactor": True},
     # every rank skips the same batch: Lightning's own refusal, on every rank
     "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
 }
@@ -245,6 +246,8 @@ def attempt(case: dict[str, Any]) -> str:
             )
         if case.get("plan"):
             broken_plan(model, case["plan"])
+        if case.get("adafactor"):  # factors each matrix's second moment: a slice's factors are not the tensor's
+            model.configure_optimizers = lambda: torch.optim.Adafactor(model.parameters())
         if case.get("bad_block"):
             break_last_block(model, case["bad_block"])
         if case.get("groups_by_name"):

@@ -70,6 +70,8 @@ def main(cfg: dict[str, Any]) -> None:
         callbacks=[recorder, *([RaiseOnRank(**cfg["raise_on_rank"])] if cfg.get("raise_on_rank") else [])],
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
+    if cfg.get("seed_by_rank"):  # every rank initialises its own weights (the strategy must agree on rank 0's)
+        cfg = {**cfg, "seed": rank()}
     if cfg.get("empty_init"):  # Lightning's way to build a big model: nothing allocated until the strategy
         with trainer.init_module(empty_init=True):
             model = build_model(cfg)
@@ -97,6 +99,8 @@ def main(cfg: dict[str, Any]) -> None:
         def counted_loss(output, target):
             with CommDebugMode() as comms:
                 loss = loss_fn(output, target)
+            if not model.training:  # evaluation: the training steps' record stands
+                return loss
             seen["logits"] = [str(p) for p in output.placements] if isinstance(output, _DTensor) else "plain"
             seen["comms"] = {str(k): v for k, v in comms.get_comm_counts().items()}
             return loss

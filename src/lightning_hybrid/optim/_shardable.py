@@ -55,9 +55,10 @@ def is_elementwise(optimizer: Optimizer) -> bool:
     return _elementwise(type(optimizer))
 
 
-def check_shardable(optimizer: Optimizer, zero_stage: int) -> None:
-    """Raise ``ValueError`` unless ``optimizer`` steps exactly the same under ``zero_stage``'s sharding."""
-    if zero_stage == 0:
+def check_shardable(optimizer: Optimizer, zero_stage: int, *, tensor_parallel: bool = False) -> None:
+    """Raise ``ValueError`` unless ``optimizer`` steps exactly the same under ``zero_stage``'s sharding (and, with
+    ``tensor_parallel``, on each rank's slices of the split tensors, whatever the stage)."""
+    if zero_stage == 0 and not tensor_parallel:
         return
     from lightning_hybrid.optim.layerwise import LayerwiseOptimizer
 
@@ -65,9 +66,11 @@ def check_shardable(optimizer: Optimizer, zero_stage: int) -> None:
     if isinstance(optimizer, LayerwiseOptimizer) or _elementwise(cls):
         return
     why = _WHY.get(cls.__name__, "its update may depend on a whole tensor (a norm, a factorisation)")
+    where = f"zero_stage={zero_stage}" if zero_stage else "tensor parallelism"
     raise ValueError(
-        f"{cls.__module__}.{cls.__qualname__} is not known to be element-wise ({why}), so zero_stage={zero_stage}"
-        " would step it on a slice of each tensor and compute something else. Use zero_stage=0, an element-wise"
+        f"{cls.__module__}.{cls.__qualname__} is not known to be element-wise ({why}), so {where}"
+        " would step it on a slice of each tensor and compute something else. Use zero_stage=0 without tensor"
+        " parallelism, an element-wise"
         " optimizer (SGD, Adam, AdamW, RMSprop, ...), lightning_hybrid.optim.LAMB or LARS for per-tensor trust"
         f" ratios, or, if every element's update depends on that element alone, declare it with"
         f" lightning_hybrid.optim.register_elementwise({cls.__name__})."

@@ -31,7 +31,7 @@ from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies.pipeline.split import describe_stages, split_module, stage_ranges
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
-from lightning_hybrid.strategies.tensor.local import whole_on_every_rank
+from lightning_hybrid.strategies.tensor.local import tensor_slice, whole_on_every_rank
 from lightning_hybrid.strategies.tensor.plan import plan_blocks
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
 from lightning_hybrid.strategies.zero.config import ZeroConfig
@@ -154,6 +154,9 @@ def prepare_module(
     make_replicas_identical(module, mesh.get_group(DP_AXIS))  # as DDP does when it wraps the model
     if tensor_plans is not None:  # after the replicas agree, before ZeRO-3 shards the tensor-parallel slices
         tensor_plans.apply(module, tp_mesh, keep_dtensors=zero3)
+        # what every tensor-parallel rank holds whole must be the same tensor on each (ranks seeded apart would
+        # initialise it apart): the first one's, as across the replicas above
+        make_replicas_identical(module, tp_mesh.get_group(), skip=lambda t: tensor_slice(t) is not None)
     units = None
     if layout.zero_stage == 3:
         shard_fully(module, stages=stages, plan=plan)

@@ -43,7 +43,7 @@ from lightning_hybrid.checkpoint.pretrained import PretrainedWeights, as_pretrai
 from lightning_hybrid.checkpoint.tied_names import CheckpointNames
 from lightning_hybrid.plugins._clipping import mesh_aware_precision
 from lightning_hybrid.strategies._checks import agreed_setup, refuse_averaging
-from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, PRESETS, Layout, LayoutRequest, ScheduleName
+from lightning_hybrid.strategies._layout import DP_AXIS, PP_AXIS, PRESETS, TP_AXIS, Layout, LayoutRequest, ScheduleName
 from lightning_hybrid.strategies._parallel import ParallelLayout, known
 from lightning_hybrid.strategies._recipe import prepare_module
 from lightning_hybrid.strategies._state import (
@@ -55,6 +55,7 @@ from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
+from lightning_hybrid.strategies.tensor.local import same_random_streams
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
@@ -317,6 +318,8 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
     def on_train_start(self) -> None:
         super().on_train_start()
         self._training_started = True
+        if self.layout.tensor_parallel_size > 1:
+            same_random_streams(self.device_mesh[TP_AXIS].get_group())
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """The recipe (``_recipe.prepare_module``), once per module."""

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._protocols import PipelineLossScaling
 from lightning_hybrid.contract import contract_batch
@@ -211,6 +212,8 @@ class PipelineRunner:
 
     def last_stage_output_everywhere(self, output: Any) -> Tensor:
         """The last stage's output on every pipeline rank (metrics update, and sync, everywhere)."""
+        if isinstance(output, DTensor):  # logits split by vocabulary: gathered on the last stage's ranks first
+            output = output.full_tensor()
         obj = [None if output is None else output.detach().cpu()]
         dist.broadcast_object_list(obj, group=self.group, group_src=last_stage_rank(self.layout))
         return obj[0].to(self.device)

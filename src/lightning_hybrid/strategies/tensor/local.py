@@ -37,6 +37,7 @@ __all__ = [
     "localize",
     "plain",
     "plain_loss",
+    "same_random_streams",
     "split_tensors",
     "state_name",
     "tensor_slice",
@@ -243,3 +244,15 @@ def loss_context(tensor_parallel_size: int) -> Iterator[None]:
             yield
     finally:
         _LOSS_PARALLEL_DEPTH[0] -= 1
+
+
+def same_random_streams(group: dist.ProcessGroup) -> None:
+    """Tensor-parallel peers compute the replicated parts of each block alike, dropout included: their random
+    generators (host, and the accelerator's) start training from the first peer's state, whatever seed each
+    process was given."""
+    states: list[Any] = [(torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)]
+    dist.broadcast_object_list(states, group=group, group_src=0)
+    cpu, accelerator = states[0]
+    torch.set_rng_state(cpu)
+    if accelerator is not None:
+        torch.cuda.set_rng_state_all(accelerator)

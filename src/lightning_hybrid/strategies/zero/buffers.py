@@ -9,6 +9,8 @@ training-mode forward reads batch statistics only. One broadcast per dtype of th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -18,18 +20,21 @@ __all__ = ["ReplicaBuffers", "make_replicas_identical"]
 
 
 @torch.no_grad()
-def make_replicas_identical(module: nn.Module, group: dist.ProcessGroup) -> None:
+def make_replicas_identical(
+    module: nn.Module, group: dist.ProcessGroup, skip: Callable[[Tensor], bool] | None = None
+) -> None:
     """Every replica starts from the first one's parameters and buffers, as Lightning's DDP makes them when it
     wraps the model: without a shared seed each replica would otherwise initialise its own weights, train
     them apart (ZeRO-0) or assemble its shards from different initialisations (ZeRO-1/2/3), silently. One
-    broadcast per tensor, at set-up."""
+    broadcast per tensor, at set-up; ``skip`` leaves tensors each rank holds its own part of (tensor-parallel
+    slices)."""
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
         # a block a meta-built model sharded as it materialised holds DTensors, initialised from an agreed seed
-        if id(t) not in seen and not t.is_meta and not isinstance(t, DTensor):
+        if id(t) not in seen and not t.is_meta and not isinstance(t, DTensor) and not (skip and skip(t)):
             seen.add(id(t))
             data = t.data.contiguous()  # the collective needs contiguous memory (channels_last, transposes)
             dist.broadcast(data, src=src, group=group)

@@ -91,8 +91,8 @@ class GradientSync:
     ) -> None:
         """Take charge of the optimizers (before their first step): refuse one that sharding would change.
         ``user``: where user code reads or edits gradients between backward and the step."""
-        for optimizer in optimizers:
-            check_shardable(optimizer, self.zero_stage)
+        for optimizer in optimizers:  # tensor parallelism steps slices at every stage
+            check_shardable(optimizer, self.zero_stage, tensor_parallel=self._tensor_parallel)
         self._optimizer_index = {id(opt): i for i, opt in enumerate(optimizers)}
         self.user = user or UserGradientCode()
         if self._tensor_parallel and self.zero_stage < 3:
