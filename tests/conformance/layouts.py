@@ -60,10 +60,10 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
     ),
 }
 
-# layouts the slow tier (CI) leaves to `run.py`: dp2 x tp2 ZeRO-3 is FSDP2 on a 2-D mesh over 4 processes, about
-# 11 minutes on 2 CPU cores (0 problems when its column was added); ZeRO-3 x TP exactness, LAMB, checkpoints
-# and init_from at that layout stay in tests/test_tensor_parallel.py and tests/test_init_from.py
-RUN_PY_ONLY = ("dp2xtp2-zero3",)
+# layouts the slow tier (CI) leaves to `run.py`: the dp2 x tp2 columns run 4 processes on 2 CPU cores, 6-13 minutes
+# for ZeRO-1 and 11 for ZeRO-3 (0 problems each when they were added); their exactness, LAMB, checkpoints and
+# init_from stay in tests/test_tensor_parallel.py and tests/test_init_from.py
+RUN_PY_ONLY = ("dp2xtp2-zero1", "dp2xtp2-zero3")
 
 PIPELINES = [
     "pp2",
