@@ -44,9 +44,22 @@ class TensorSlice:
         """The whole tensor's index of this rank's first element (torch's even chunks: ``ceil(n / T)``)."""
         origin = [0] * len(self.shape)
         if self.dim is not None:
-            chunk = math.ceil(self.shape[self.dim] / self.mesh.size())
-            origin[self.dim] = min(chunk * self.mesh.get_local_rank(), self.shape[self.dim])
+            origin[self.dim] = self._range()[0]
         return tuple(origin)
+
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's slice."""
+        shape = list(self.shape)
+        if self.dim is not None:
+            start, stop = self._range()
+            shape[self.dim] = stop - start
+        return tuple(shape)
+
+    def _range(self) -> tuple[int, int]:
+        n = self.shape[self.dim]
+        chunk = math.ceil(n / self.mesh.size())
+        start = min(chunk * self.mesh.get_local_rank(), n)
+        return start, min(n, start + chunk)
 
     def as_dtensor(self, local: Tensor) -> DTensor:
         return DTensor.from_local(

@@ -16,7 +16,6 @@ lookups only: ``named_parameters``, ``state_dict`` and their order stay the plai
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -117,10 +116,9 @@ def whole(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any =
     out = dict(values)
     for key, value in values.items():
         found = slices.get(name_of(key) if name_of else key)
-        if found is not None and isinstance(value, Tensor) and not isinstance(value, DTensor):
-            local_shape = _local_shape(found)
-            if tuple(value.shape) == local_shape:
-                out[key] = found.as_dtensor(value)
+        local = found is not None and isinstance(value, Tensor) and not isinstance(value, DTensor)
+        if local and tuple(value.shape) == found.local_shape():
+            out[key] = found.as_dtensor(value)
     return out
 
 
@@ -171,15 +169,6 @@ def whole_boxes(
         return torch.Size(param.shape), boxes
     origin = found.origin()
     return found.shape, [(tuple(o + d for o, d in zip(offsets, origin)), box) for offsets, box in boxes]
-
-
-def _local_shape(found: TensorSlice) -> tuple[int, ...]:
-    shape = list(found.shape)
-    if found.dim is not None:
-        n, parts, rank = shape[found.dim], found.mesh.size(), found.mesh.get_local_rank()
-        chunk = math.ceil(n / parts)
-        shape[found.dim] = max(0, min(n, chunk * (rank + 1)) - chunk * rank)
-    return tuple(shape)
 
 
 def whole_on_every_rank(module: nn.Module, axis: str) -> list[nn.Parameter]:

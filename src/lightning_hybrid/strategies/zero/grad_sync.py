@@ -71,7 +71,10 @@ class GradientSync:
         self._whole_on_tp: list[nn.Parameter] = []
         self._counts_whole = True
         self.model_parallel_group: dist.ProcessGroup | None = None
-        self._tensor_parallel = False
+
+    @property
+    def _tensor_parallel(self) -> bool:
+        return self.model_parallel_group is not None  # set by count_tensor_parallel, under tensor parallelism only
 
     def count_tensor_parallel(
         self, whole: list[nn.Parameter], *, first: bool, model_parallel_group: dist.ProcessGroup
@@ -80,7 +83,6 @@ class GradientSync:
         gradients count in the global norm on the ``first`` tensor-parallel rank only."""
         self._whole_on_tp, self._counts_whole = whole, first
         self.model_parallel_group = model_parallel_group
-        self._tensor_parallel = True
 
     # whether Lightning's zero_grad (which sees the optimizer's parameters) can wipe the model's gradients
     # between a pipeline's training_step and backward: then the pipeline runner sets them aside
