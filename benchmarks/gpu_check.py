@@ -117,11 +117,13 @@ def worker(cfg: dict[str, Any]) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.reset_peak_memory_stats()
     # the same global batch on every layout: replica r of dp reads the r-th slice of each global batch (the
-    # data-parallel ranks of one stage are adjacent; every stage of a replica reads the same samples)
+    # mesh is pp x dp x tp with tp innermost; every stage and every tensor-parallel peer of a replica reads the
+    # same samples)
     world, rank = trainer.world_size, trainer.global_rank
-    dp = world // (spec.get("pipeline_parallel_size", 1) if cfg["devices"] > 1 else 1)
-    b = cfg["batch_size"]
-    order = [s * dp * b + (rank % dp) * b + i for s in range(STEPS) for i in range(b)]
+    tp = spec.get("tensor_parallel_size", 1) if cfg["devices"] > 1 else 1
+    dp = world // ((spec.get("pipeline_parallel_size", 1) if cfg["devices"] > 1 else 1) * tp)
+    b, replica = cfg["batch_size"], (rank // tp) % dp
+    order = [s * dp * b + replica * b + i for s in range(STEPS) for i in range(b)]
     loader = DataLoader(data.train_set, batch_size=b, sampler=order, drop_last=True)
     trainer.fit(model, train_dataloaders=loader)
     report = {"rank": trainer.global_rank, "losses": losses, "psi": psi}

@@ -24,9 +24,14 @@ def _run_layout(
     model=None,
     atol=1e-4,
     reentrant_head=False,
+    model_class=None,
     **extra,
 ):
-    base = {**BASE, "model": {**BASE["model"], **(model or {})}}
+    base = {
+        **BASE,
+        "model": {**BASE["model"], **(model or {})},
+        **({"model_class": model_class} if model_class else {}),
+    }
     cfg = {
         **base,
         "model": {**base["model"], "build_on_meta": meta == "configure_model"},

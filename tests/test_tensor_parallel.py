@@ -45,9 +45,21 @@ def _check_split(job, nproc: int, *, model=None, pp: int = 1) -> None:
 def test_tp2_with_accumulation_and_clipping_matches_single_process(tmp_path):
     # each rank seeds its own initialisation: the split weights are rank 0's (torch scatters them), and what
     # every tensor-parallel rank holds whole (positions, norms) is made rank 0's by the strategy
+    # the loss reads a split weight and a whole one as attributes outside their modules (a weight penalty):
+    # a split weight read anywhere is the whole tensor's DTensor, never this rank's slice taken for the whole
     tp2 = {"tensor_parallel_size": 2}
-    job = _run_layout(tmp_path, tp2, nproc=2, trainer=CLIP["trainer"], accumulate=2, clip=0.5, seed_by_rank=True)
+    read = ["layers.1.attn.q.weight", "layers.1.attn.proj.weight", "layers.1.ln_1.weight"]
+    job = _run_layout(
+        tmp_path, tp2, nproc=2, trainer=CLIP["trainer"], accumulate=2, clip=0.5, seed_by_rank=True,
+        model_class="gpt_weight_penalty", report_attributes=read,
+    )  # fmt: skip
     assert job.rank(0)["layout"] == {"pp": 1, "dp": 1, "tp": 2}
+    weights = torch.load(tmp_path / "weights.pt")  # consolidated, checked against the single process above
+    for r in range(2):
+        seen = job.rank(r)["attributes"]
+        assert [seen[n]["dtensor"] for n in read] == [True, True, False]
+        for name in read:
+            torch.testing.assert_close(torch.tensor(seen[name]["value"]), weights[name], rtol=0, atol=0)
     # tensor-parallel peers read the same batches: one data-parallel replica
     assert [job.rank(r)["sampler"] for r in range(2)] == [{"num_replicas": 1, "rank": 0}] * 2
     _check_split(job, 2)

@@ -133,6 +133,13 @@ def main(cfg: dict[str, Any]) -> None:
             for n in cfg["report_params"]
             if n in held
         }
+    if cfg.get("report_attributes"):  # the named weights read as attributes after fit (a DTensor: the whole)
+        report["attributes"] = {}
+        for name in cfg["report_attributes"]:
+            owner, _, attribute = name.rpartition(".")
+            value = getattr(model.get_submodule(owner), attribute)
+            whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
+            report["attributes"][name] = {"dtensor": isinstance(value, DTensor), "value": whole.tolist()}
     if cfg.get("validate"):
         results = trainer.validate(model, datamodule=data, verbose=False)
         report["validate"] = results[0] if results else {}

@@ -3,14 +3,16 @@
 ``parallelize_module`` leaves each split parameter a DTensor on the tensor-parallel mesh. Everything the
 pack does around a step (ZeRO-0/1/2 buckets and flat shards, the optimizer, gradient clipping, checkpoints)
 works on plain tensors, so each such parameter is replaced by a plain ``nn.Parameter`` holding this rank's
-slice, which records where that slice lies in the whole tensor (:class:`TensorSlice`). Around each forward of
-the module that owns it, the module sees a DTensor made from the slice (``DTensor.from_local``, differentiable),
-so torch's parallel styles run unchanged and the gradient arrives on the plain parameter as this rank's slice
-of the whole gradient (a replicated parameter's gradient summed over the tensor-parallel group, where the
-style left it partial). This is the composition torch itself uses under DDP
+slice, which records where that slice lies in the whole tensor (:class:`TensorSlice`). Reading the parameter as
+an attribute of its module (``module.weight``: the module's own forward, a parent's forward, a training step,
+a callback) gives a DTensor made from the slice (``DTensor.from_local``, differentiable), so torch's parallel
+styles run unchanged, code anywhere computes with the whole tensor's meaning (a norm is the whole norm; mixing
+it with a plain tensor is torch's error, never a silent slice) and the gradient arrives on the plain parameter
+as this rank's slice of the whole gradient (a replicated parameter's gradient summed over the tensor-parallel
+group, where the style left it partial). This is the composition torch itself uses under DDP
 (``torch.distributed.tensor.parallel.ddp``), done here without re-creating parameters after each forward.
-The DTensor is put in the module's instance dictionary, where it shadows the parameter for attribute
-lookups only: ``named_parameters``, ``state_dict`` and their order stay the plain parameters'.
+Only attribute lookups see the DTensor: ``named_parameters``, ``parameters``, ``state_dict`` and their order
+stay the plain parameters' (the optimizer, the flat buffers and the checkpoints work on slices).
 """
 
 from __future__ import annotations
@@ -79,34 +81,36 @@ def localize(module: nn.Module) -> int:
             own[name] = plain  # the same key: named_parameters keeps its order
             names.append(name)
         if names:
-            owner.register_forward_pre_hook(_DTensorView(tuple(names)))
-            owner.register_forward_hook(_PlainAgain(tuple(names)), always_call=True)
+            _read_as_dtensors(owner, names)
     return count
 
 
-class _DTensorView:
-    """Forward pre-hook: the module's split parameters as DTensors for the length of its forward."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        for name in self.names:
-            p = own_parameters(module)[name]
-            found = tensor_slice(p) if p is not None else None
-            if found is not None:
-                vars(module)[name] = found.as_dtensor(p)
+_VIEWED = "_lightning_hybrid_split_names"  # on a module: the names its attribute lookups give as DTensors
+_VIEW_CLASSES: dict[type, type] = {}
 
 
-class _PlainAgain:
-    """Forward hook: attribute lookups find the plain parameters again."""
+def _read_as_dtensors(owner: nn.Module, names: list[str]) -> None:
+    """``owner.<name>`` gives the DTensor view of the split parameter from now on. The module's class becomes a
+    subclass whose attribute lookup makes the view (a parameter is found by ``nn.Module.__getattr__``, which
+    Python calls only when the instance has no such attribute: the lookup costs nothing for anything else);
+    FSDP2's ``fully_shard`` changes the class the same way."""
+    vars(owner)[_VIEWED] = frozenset(vars(owner).get(_VIEWED, ())) | frozenset(names)
+    cls = type(owner)
+    if cls in _VIEW_CLASSES.values():
+        return
+    if cls not in _VIEW_CLASSES:
+        lookup = cls.__getattr__
 
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            if name in vars(self).get(_VIEWED, ()):
+                p = own_parameters(self).get(name)
+                found = tensor_slice(p) if p is not None else None
+                if found is not None:
+                    return found.as_dtensor(p)
+            return lookup(self, name)
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        for name in self.names:
-            vars(module).pop(name, None)
+        _VIEW_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"__getattr__": __getattr__})
+    owner.__class__ = _VIEW_CLASSES[cls]
 
 
 def whole(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any = None) -> dict[str, Any]:
