@@ -309,7 +309,12 @@ def test_layerwise_optimizers_match_single_process(tmp_path, optimizer, kwargs, 
     lr = {"lamb": 0.02, "lars": 10.0}[optimizer]  # LARS's trust coefficient (1e-3) scales its steps down
     # tighter than the other layouts' 1e-4: a norm taken over one rank's shard only moves LAMB's weights ~3e-5
     model = {"optimizer": optimizer, "lr": lr, "weight_decay": 0.01}
-    _run_layout(tmp_path, kwargs, nproc=nproc, model=model, atol=5e-6)
+    # a flag set on parameters before set-up survives FSDP2's new (sharded) parameters under ZeRO-3
+    flags = {"layers.1.attn.q.weight": "marked", "layers.1.ln_1.bias": "no-decay"} if nproc == 2 else {}
+    job = _run_layout(tmp_path, kwargs, nproc=nproc, model=model, atol=5e-6, param_attributes=flags)
+    for r in range(nproc if flags else 0):  # pp2: the stage holding layer 1
+        assert job.rank(r)["param_attributes"] in (flags, {}), job.rank(r)["param_attributes"]
+    assert not flags or any(job.rank(r)["param_attributes"] == flags for r in range(nproc))
 
 
 @pytest.mark.multiproc

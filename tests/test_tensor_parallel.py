@@ -49,15 +49,18 @@ def test_tp2_with_accumulation_and_clipping_matches_single_process(tmp_path):
     # a split weight read anywhere is the whole tensor's DTensor, never this rank's slice taken for the whole
     tp2 = {"tensor_parallel_size": 2}
     read = ["layers.1.attn.q.weight", "layers.1.attn.proj.weight", "layers.1.ln_1.weight"]
+    # flags set on parameters before set-up (a no-decay mark) survive the plan's new parameters
+    flags = {"layers.1.attn.q.weight": "split", "layers.2.attn.proj.bias": "whole-in-split-module"}
     job = _run_layout(
         tmp_path, tp2, nproc=2, trainer=CLIP["trainer"], accumulate=2, clip=0.5, seed_by_rank=True,
-        model_class="gpt_weight_penalty", report_attributes=read,
+        model_class="gpt_weight_penalty", report_attributes=read, param_attributes=flags,
     )  # fmt: skip
     assert job.rank(0)["layout"] == {"pp": 1, "dp": 1, "tp": 2}
     weights = torch.load(tmp_path / "weights.pt")  # consolidated, checked against the single process above
     for r in range(2):
         seen = job.rank(r)["attributes"]
         assert [seen[n]["dtensor"] for n in read] == [True, True, False]
+        assert job.rank(r)["param_attributes"] == flags
         for name in read:
             torch.testing.assert_close(torch.tensor(seen[name]["value"]), weights[name], rtol=0, atol=0)
     # tensor-parallel peers read the same batches: one data-parallel replica
@@ -79,8 +82,12 @@ def test_pp2_tp2_matches_single_process(tmp_path):
 )
 def test_dp2_tp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
     kwargs = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": zero_stage}
-    job = _run_layout(tmp_path, kwargs, nproc=4, trainer=CLIP["trainer"], accumulate=2, clip=0.5)
+    flags = {"layers.1.attn.q.weight": "split", "layers.1.ln_1.bias": "whole"}  # set before set-up: kept
+    job = _run_layout(
+        tmp_path, kwargs, nproc=4, trainer=CLIP["trainer"], accumulate=2, clip=0.5, param_attributes=flags
+    )
     assert job.rank(0)["layout"] == {"pp": 1, "dp": 2, "tp": 2}
+    assert [job.rank(r)["param_attributes"] for r in range(4)] == [flags] * 4
     # tensor-parallel ranks are adjacent and share a data-parallel index
     assert [job.rank(r)["sampler"]["rank"] for r in range(4)] == [0, 0, 1, 1]
 

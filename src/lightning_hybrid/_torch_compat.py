@@ -21,6 +21,7 @@ from torch import Tensor
 
 __all__ = [
     "DCP_PRIVATE_GLOBALS",
+    "PARAMETER_ATTRIBUTES_OF_TORCH",
     "RaisingTensor",
     "default_store",
     "dtensor_offsets",
@@ -349,3 +350,7 @@ def grad_scaler_growth_tracker(state_dict: dict[str, Any]) -> int | None:
     ``state_dict`` is not one."""
     value = state_dict.get("_growth_tracker")
     return None if value is None else int(value)
+
+
+# attributes torch itself sets on a parameter (a Parameter made from a tensor subclass carries this one)
+PARAMETER_ATTRIBUTES_OF_TORCH = frozenset({"_is_param"})

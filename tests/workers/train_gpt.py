@@ -106,6 +106,9 @@ def main(cfg: dict[str, Any]) -> None:
             return loss
 
         model.pipeline_loss = counted_loss
+    params = dict(model.named_parameters())
+    for name, value in cfg.get("param_attributes", {}).items():  # a flag set on a parameter before set-up
+        params[name].lightning_hybrid_test_flag = value  # (the whole model: every rank builds it all)
     data = ExactDataModule(block_size=model.hparams.block_size, **cfg.get("data", {}))
     trainer.fit(model, datamodule=data, ckpt_path=cfg.get("resume"))
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
@@ -132,6 +135,11 @@ def main(cfg: dict[str, Any]) -> None:
             n: (held[n].full_tensor() if isinstance(held[n], DTensor) else held[n].detach()).tolist()
             for n in cfg["report_params"]
             if n in held
+        }
+    if cfg.get("param_attributes"):  # the flags on the parameters the optimizer steps after set-up
+        params = dict(model.named_parameters())
+        report["param_attributes"] = {  # the names this rank holds (a pipeline stage holds its blocks)
+            n: getattr(params[n], "lightning_hybrid_test_flag", None) for n in cfg["param_attributes"] if n in params
         }
     if cfg.get("report_attributes"):  # the named weights read as attributes after fit (a DTensor: the whole)
         report["attributes"] = {}

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_hybrid._slices import TensorSlice, mark_slice, tensor_slice
 from lightning_hybrid._torch_compat import own_parameters
+from lightning_hybrid.strategies._params import user_attributes
 
 __all__ = [
     "TensorSlice",
@@ -75,6 +76,7 @@ def localize(module: nn.Module) -> int:
             plain = made.get(id(p))
             if plain is None:
                 plain = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                vars(plain).update(user_attributes(p))  # a no-decay mark the user set stays
                 mark_slice(plain, TensorSlice(p.device_mesh, tuple(p.placements), p.shape, tuple(p.stride())))
                 made[id(p)] = plain
                 count += 1
@@ -85,7 +87,7 @@ def localize(module: nn.Module) -> int:
     return count
 
 
-_VIEWED = "_lightning_hybrid_split_names"  # on a module: the names its attribute lookups give as DTensors
+_VIEWED = "lightning_hybrid_split_names"  # on a module: the names its attribute lookups give as DTensors
 _VIEW_CLASSES: dict[type, type] = {}
 
 

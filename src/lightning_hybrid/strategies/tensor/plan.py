@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_hybrid._torch_compat import post_accumulate_hooks, tensor_hooks
+from lightning_hybrid.strategies._params import attributes_kept
 from lightning_hybrid.strategies.tensor.local import localize
 
 __all__ = ["TensorPlans", "plan_blocks"]
@@ -160,10 +161,11 @@ class TensorPlans:
         if not plan or getattr(block, _SPLIT, False):
             return
         itself = plan.pop("", None)
-        if itself is not None:
-            parallelize_module(block, mesh, itself)
-        if plan:
-            parallelize_module(block, mesh, plan)
+        with attributes_kept(block):  # a style makes new parameters
+            if itself is not None:
+                parallelize_module(block, mesh, itself)
+            if plan:
+                parallelize_module(block, mesh, plan)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_hybrid._torch_compat import post_accumulate_hooks, tensor_hooks
 from lightning_hybrid.contract import has_forward
+from lightning_hybrid.strategies._params import attributes_kept
 
 __all__ = [
     "ShardingPlan",
@@ -163,7 +164,8 @@ class ShardingPlan:
 
     def shard(self, unit: nn.Module) -> None:
         if not isinstance(unit, FSDPModule):  # a block sharded as soon as it was materialised stays as it is
-            fully_shard(unit, **self.kwargs)
+            with attributes_kept(unit):  # FSDP2 makes new (sharded) parameters
+                fully_shard(unit, **self.kwargs)
 
     def shard_block(self, block: nn.Module) -> None:
         """Shard one block: first its parameter-holding children, when the rule splits it."""
