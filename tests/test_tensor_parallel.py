@@ -190,3 +190,36 @@ def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc
     seen = [job.rank(r)["loss_comms"] for r in range(nproc) if job.rank(r)["loss_comms"]]
     assert seen and all(s["logits"] == ["S(2)"] for s in seen), seen
     assert all(not any("gather" in k for k in s["comms"]) and s["comms"] for s in seen), seen
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    "kwargs", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2, "num_microbatches": 2}], ids=["tp2", "pp2"]
+)
+def test_augmentation_in_seeded_workers_is_drawn_alike_by_a_replicas_ranks(tmp_path, kwargs):
+    """``seed_everything(workers=True)``: Lightning seeds dataloader workers from each process's generator
+    (which a pipeline's stages advance differently) and the global rank, so two ranks of one replica would draw
+    different augmentations (the batch check refuses that). The strategy seeds a replica's workers alike: its
+    ranks train on what one process trains on."""
+    data = {**BASE["data"], "augment": "in_workers"}
+    cfg = {**BASE, "data": data, "seed_workers": True, "steps": 3}
+    job = launch("train_gpt.py", {**cfg, "strategy": {"name": "hybrid_class", "kwargs": kwargs}, "devices": 2}, nproc=2)
+    single = launch("train_gpt.py", {**cfg, "strategy": {"name": "hybrid_class"}, "devices": 1}, nproc=1)
+    want = torch.tensor(single.rank(0)["losses"])
+    for r in range(2):  # tp2: each peer's loss; pp2: the step's loss on every stage
+        torch.testing.assert_close(torch.tensor(job.rank(r)["losses"]), want, rtol=0, atol=1e-5)
+    plain = launch("train_gpt.py", {**BASE, "strategy": {"name": "hybrid_class"}, "steps": 3, "devices": 1}, nproc=1)
+    assert plain.rank(0)["losses"] != single.rank(0)["losses"]  # the augmentation changed what trained
+
+
+@pytest.mark.multiproc
+def test_a_replicas_ranks_reading_different_batches_are_refused_on_every_rank(tmp_path):
+    """An augmentation keyed on the global rank: the pipeline's first stage would train on one sample and its
+    last stage score another's targets. Every rank stops at the first batch with the same message."""
+    data = {**BASE["data"], "augment": "by_global_rank"}
+    pp2 = {"name": "hybrid_class", "kwargs": {"pipeline_parallel_size": 2, "num_microbatches": 2}}
+    cfg = {**BASE, "data": data, "strategy": pp2, "devices": 2, "out": str(tmp_path / "job")}
+    job = launch("train_gpt.py", cfg, nproc=2, timeout=120, expect_success=False)
+    errors = [job.rank(r).get("error", "") for r in range(2)]
+    assert all("read different batches (rank 1 against rank 0)" in e for e in errors), errors
+    assert errors[0] == errors[1]

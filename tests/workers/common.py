@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from gpt import GPT, CharDataModule
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -44,12 +44,32 @@ def global_batches(dataset, global_batch: int, seed: int = 0):
     return DataLoader(dataset, batch_sampler=sampler)
 
 
+class Augmented(Dataset):
+    """Each sample with one random token replaced (an augmentation): drawn in dataloader workers from the
+    generator Lightning seeds (``in_workers``), or from one seeded by the global rank (``by_global_rank``)."""
+
+    def __init__(self, base: Dataset, vocab_size: int, how: str) -> None:
+        self.base, self.vocab_size, self.how = base, vocab_size, how
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.base[i]
+        g = torch.Generator().manual_seed(1000 * rank() + i) if self.how == "by_global_rank" else None
+        x = x.clone()
+        x[int(torch.randint(len(x), (1,), generator=g))] = int(torch.randint(self.vocab_size, (1,), generator=g))
+        return x, y
+
+
 class ExactDataModule(CharDataModule):
     """CharDataModule whose loaders split each global batch over the data-parallel ranks in a fixed order."""
 
-    def __init__(self, *, global_batch: int = 8, seed: int = 0, skip: int = 0, **kwargs: Any) -> None:
+    def __init__(
+        self, *, global_batch: int = 8, seed: int = 0, skip: int = 0, augment: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.global_batch, self.seed, self.skip = global_batch, seed, skip
+        self.global_batch, self.seed, self.skip, self.augment = global_batch, seed, skip, augment
 
     def _dp(self) -> tuple[int, int]:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -57,9 +77,11 @@ class ExactDataModule(CharDataModule):
 
     def train_dataloader(self) -> DataLoader:
         rank, size = self._dp()
+        data = self.train_set if self.augment is None else Augmented(self.train_set, self.vocab_size, self.augment)
         return DataLoader(
-            self.train_set,
+            data,
             batch_sampler=GlobalBatchSampler(len(self.train_set), self.global_batch, rank, size, self.seed, self.skip),
+            num_workers=1 if self.augment == "in_workers" else 0,
         )
 
     def val_dataloader(self) -> DataLoader:

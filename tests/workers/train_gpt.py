@@ -70,6 +70,8 @@ def main(cfg: dict[str, Any]) -> None:
         callbacks=[recorder, *([RaiseOnRank(**cfg["raise_on_rank"])] if cfg.get("raise_on_rank") else [])],
         **{"limit_val_batches": 0, "num_sanity_val_steps": 0, **cfg.get("trainer", {})},
     )
+    if cfg.get("seed_workers"):  # Lightning seeds dataloader workers (by the global rank unless a strategy says)
+        L.seed_everything(0, workers=True)
     if cfg.get("seed_by_rank"):  # every rank initialises its own weights (the strategy must agree on rank 0's)
         cfg = {**cfg, "seed": rank()}
     if cfg.get("empty_init"):  # Lightning's way to build a big model: nothing allocated until the strategy

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, TypeVar, Union
 
 from lightning_hybrid.strategies._layout import Layout, LayoutRequest
+from lightning_hybrid.strategies._same_batch import CHECKED_BATCHES, check_replica_batches, seed_workers_by_replica
 
 __all__ = ["ParallelLayout", "known"]
 
@@ -51,6 +52,18 @@ class ParallelLayout:
         # every stage of one pipeline reads the same samples (the first stage the inputs, the last the targets):
         # the data is split over the data-parallel ranks only
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.data_parallel_rank}
+
+    def process_dataloader(self, dataloader: object) -> object:
+        # a replica's stages and peers: workers seeded alike, so they draw the same augmentations
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        seed_workers_by_replica(dataloader, self.data_parallel_rank, self.root_device)  # type: ignore[attr-defined]
+        return dataloader
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        layout = self.layout
+        if batch_idx < CHECKED_BATCHES and layout.pipeline_parallel_size * layout.tensor_parallel_size > 1:
+            check_replica_batches(batch, replicas=layout.model_parallel_groups(), device=self.root_device)  # type: ignore[attr-defined]
 
     def exact_window_means(self) -> bool:
         """Whether each step is the exact mean over its window's counted elements (``pipeline_loss_count``)."""
