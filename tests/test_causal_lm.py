@@ -148,7 +148,24 @@ CASES = {
     ),
 }
 SLOW_CASES = {
+    # both families at every tensor-parallel layout: tp2, pp2 x tp2 and dp2 x tp2 at ZeRO-1/2/3
+    "qwen2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(tensor_parallel_size=2), 2),
     "qwen2-pp2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
+    "llama-pp2-tp2-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
+    **{
+        f"{family}-dp2-tp2-zero{stage}-{attention}": (
+            family,
+            attention,
+            _hybrid(data_parallel_size=2, tensor_parallel_size=2, zero_stage=stage),
+            4,
+        )
+        for family, attention, stage in (
+            ("llama", "sdpa", 1),
+            ("llama", "eager", 2),
+            ("qwen2", "sdpa", 2),
+            ("qwen2", "sdpa", 3),
+        )
+    },
     "llama-dp2-tp2-zero3-sdpa": (
         "llama",
         "sdpa",

@@ -275,7 +275,10 @@ def test_meta_built_model_matches_the_eagerly_built_single_process_run(tmp_path,
     """Built on the meta device (in configure_model, or by Trainer.init_module(empty_init=True)), each rank
     materialises only its blocks; the per-block seeded initialisation makes every layout start from (and train
     to) what the ordinary, eagerly built model does in one process."""
-    _run_layout(tmp_path, kwargs, nproc=nproc, meta=meta)
+    # a mark set on a meta parameter survives its materialisation (to_empty makes new parameters)
+    flags = {"layers.1.attn.q.weight": "marked"} if meta == "init_module" else {}
+    job = _run_layout(tmp_path, kwargs, nproc=nproc, meta=meta, param_attributes=flags)
+    assert job.rank(0).get("param_attributes", {}) == flags
 
 
 PP2 = {"pipeline_parallel_size": 2, "num_microbatches": 2}

@@ -60,6 +60,8 @@ def test_tp2_with_accumulation_and_clipping_matches_single_process(tmp_path):
     for r in range(2):
         seen = job.rank(r)["attributes"]
         assert [seen[n]["dtensor"] for n in read] == [True, True, False]
+        assert [seen[n]["hook"].split(":")[0] for n in read] == ["refused", "refused", "registered"]
+        assert "Register the hook on the parameter from named_parameters()" in seen[read[0]]["hook"]
         assert job.rank(r)["param_attributes"] == flags
         for name in read:
             torch.testing.assert_close(torch.tensor(seen[name]["value"]), weights[name], rtol=0, atol=0)
@@ -194,7 +196,12 @@ def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
-    "kwargs", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2, "num_microbatches": 2}], ids=["tp2", "pp2"]
+    "kwargs",
+    [
+        pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+        {"pipeline_parallel_size": 2, "num_microbatches": 2},
+    ],
+    ids=["tp2", "pp2"],
 )
 def test_augmentation_in_seeded_workers_is_drawn_alike_by_a_replicas_ranks(tmp_path, kwargs):
     """``seed_everything(workers=True)``: Lightning seeds dataloader workers from each process's generator

@@ -149,7 +149,12 @@ def main(cfg: dict[str, Any]) -> None:
             owner, _, attribute = name.rpartition(".")
             value = getattr(model.get_submodule(owner), attribute)
             whole = value.full_tensor() if isinstance(value, DTensor) else value.detach()
-            report["attributes"][name] = {"dtensor": isinstance(value, DTensor), "value": whole.tolist()}
+            try:  # a hook on the read: on a view made for this read it would never run again
+                value.register_hook(lambda grad: grad).remove()
+                hook = "registered"
+            except RuntimeError as exc:
+                hook = "refused: " + str(exc)
+            report["attributes"][name] = {"dtensor": isinstance(value, DTensor), "value": whole.tolist(), "hook": hook}
     if cfg.get("validate"):
         results = trainer.validate(model, datamodule=data, verbose=False)
         report["validate"] = results[0] if results else {}

@@ -24,6 +24,8 @@ from collections.abc import Callable, Generator, Iterable
 import torch
 from torch import nn
 
+from lightning_hybrid.strategies._params import attributes_kept
+
 __all__ = ["block_seed", "has_meta_tensors", "materialize", "materialize_module", "seeded_init", "tied_on_meta"]
 
 
@@ -75,7 +77,8 @@ def materialize(
         if not has_meta_tensors(block):
             continue
         # initial values are computed on the CPU, whatever the device: the same numbers everywhere
-        block.to_empty(device="cpu")
+        with attributes_kept(block):  # to_empty makes new parameters: the user's marks go on them
+            block.to_empty(device="cpu")
         with seeded_init(name, seed), torch.no_grad():
             if init_block is not None:
                 init_block(name, block)

@@ -11,19 +11,21 @@ score the targets of another, with nothing raised.
 So the strategies seed a replica's workers alike (:func:`seed_workers_by_replica`), and the first
 :data:`CHECKED_BATCHES` batches of every epoch are compared across each replica's ranks
 (:func:`check_replica_batches`): a fingerprint of every tensor in the batch, gathered over the world, so every
-rank reaches the same verdict and raises the same message naming the ranks that differ.
+rank reaches the same verdict and raises the same message naming the ranks that differ. The fingerprint is
+exact (integer sums of the elements' bits), so nodes with other thread counts or devices agree on one batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 __all__ = ["CHECKED_BATCHES", "check_replica_batches", "fingerprint", "seed_workers_by_replica"]
@@ -51,20 +53,54 @@ def seed_workers_by_replica(dataloader: object, data_parallel_rank: int, device:
 
 
 def fingerprint(batch: Any, device: torch.device) -> Tensor:
-    """Four float64 numbers that differ, but for a vanishing chance, between two batches that differ: the count
-    of tensors, of elements, their sum, and their sum weighted by position (a reordering shows)."""
-    tensors: list[Tensor] = []
-    apply_to_collection(batch, Tensor, tensors.append)
-    out = torch.zeros(4, dtype=torch.float64, device=device)
+    """Four int64 numbers that differ, but for a vanishing chance, between two batches that differ: the count of
+    tensors, of elements, the sum of the elements' bits as integers, and that sum weighted by position (a
+    reordering shows). Integer sums wrap and are exact in any order: the same batch gives the same numbers on
+    any device and thread count. Read in chunks (bounded memory); a tensor that is not strided counts its
+    shape only."""
+    out = torch.zeros(4, dtype=torch.int64, device=device)
     start = 0
-    for tensor in tensors:
-        flat = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float64), nan=0.5, posinf=1.5, neginf=-1.5)
-        weights = torch.arange(start + 1, start + 1 + flat.numel(), dtype=torch.float64, device=flat.device).sin()
-        start += flat.numel()
-        out += torch.stack([flat.new_ones(()), flat.new_tensor(flat.numel()), flat.sum(), (flat * weights).sum()]).to(
-            device
-        )
+    for tensor in _tensors(batch):
+        out[0] += 1
+        out[1] += tensor.numel()
+        if tensor.layout != torch.strided or tensor.is_nested:
+            out[2] += hash(tuple(tensor.shape)) % 2**61
+            continue
+        bits = _as_integers(tensor.detach().contiguous().reshape(-1))
+        for chunk in bits.split(_CHUNK):
+            values = chunk.to(torch.int64)
+            positions = torch.arange(start + 1, start + 1 + values.numel(), dtype=torch.int64, device=values.device)
+            start += values.numel()
+            out[2:] += torch.stack([values.sum(), (values * positions).sum()]).to(device)
     return out
+
+
+_CHUNK = 2**22  # elements per read: a few tens of MB of int64 at a time, whatever the batch
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_integers(flat: Tensor) -> Tensor:
+    """The elements' bits as integers of the same width (complex: its real and imaginary parts)."""
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(_INTEGER_OF_SIZE[flat.element_size()])
+
+
+def _tensors(batch: Any) -> Iterator[Tensor]:
+    """The tensors of a batch, depth first: mappings (a BatchEncoding), sequences, dataclasses (frozen too)."""
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for field in dataclasses.fields(batch):
+            yield from _tensors(getattr(batch, field.name))
 
 
 def check_replica_batches(batch: Any, *, replicas: list[list[int]], device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Tensor-parallel parameters held as this rank's slices: plain tensors outside forward, DTensors inside it.
+"""Tensor-parallel parameters held as this rank's slices: plain parameters to the optimizer, DTensors when read.
 
 ``parallelize_module`` leaves each split parameter a DTensor on the tensor-parallel mesh. Everything the
 pack does around a step (ZeRO-0/1/2 buckets and flat shards, the optimizer, gradient clipping, checkpoints)
@@ -63,7 +63,7 @@ def tensor_slices(module: nn.Module) -> dict[str, TensorSlice]:
 
 def localize(module: nn.Module) -> int:
     """Replace every DTensor parameter of ``module`` (and its submodules) by a plain parameter holding this
-    rank's slice, in place and in the same position; each owning module sees the DTensor during its forward.
+    rank's slice, in place and in the same position; reading one as an attribute gives its DTensor view.
     Returns how many parameters were localized."""
     count = 0
     made: dict[int, nn.Parameter] = {}  # a tied DTensor (one parameter under several modules) stays one
@@ -108,11 +108,33 @@ def _read_as_dtensors(owner: nn.Module, names: list[str]) -> None:
                 p = own_parameters(self).get(name)
                 found = tensor_slice(p) if p is not None else None
                 if found is not None:
-                    return found.as_dtensor(p)
+                    return _attribute_view(p, found, f"{type(self).__name__}.{name}")
             return lookup(self, name)
 
         _VIEW_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (cls,), {"__getattr__": __getattr__})
     owner.__class__ = _VIEW_CLASSES[cls]
+
+
+def _attribute_view(p: nn.Parameter, found: TensorSlice, where: str) -> DTensor:
+    """The DTensor an attribute read gives. It is a view made for this read, not the parameter: what would act on
+    the parameter itself is sent there (``requires_grad_``) or refused with where to do it (a hook on the view
+    would run for this view's graph only, never for a later step)."""
+    view = found.as_dtensor(p)
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{where} is split by tensor parallelism and held as this rank's slice (zero_stage 0-2): read as an"
+            " attribute it is a DTensor view made for this read, so a hook on it would never run for a later"
+            " step. Register the hook on the parameter from named_parameters() (its gradient is this rank's slice"
+            " of the whole gradient), or use zero_stage=3, where split parameters are DTensors themselves."
+        )
+
+    def requires_grad_(requires_grad: bool = True) -> DTensor:
+        p.requires_grad_(requires_grad)
+        return view
+
+    vars(view).update(register_hook=refused, register_post_accumulate_grad_hook=refused, requires_grad_=requires_grad_)
+    return view
 
 
 def whole(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any = None) -> dict[str, Any]:

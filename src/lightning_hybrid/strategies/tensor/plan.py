@@ -193,11 +193,12 @@ def _ties(module: nn.Module) -> list[list[str]]:
 def _tie_again(module: nn.Module, ties: list[list[str]]) -> None:
     """Each split module got new parameters: the names of a tie point at the first name's again (the plans
     split them alike: checked on the whole module)."""
+    held = dict(module.named_parameters(remove_duplicate=False))  # not attribute reads: those give DTensor views
     for names in ties:
-        first = module.get_parameter(names[0])
+        first = held[names[0]]
         for other in names[1:]:
             owner, _, attribute = other.rpartition(".")
-            if module.get_parameter(other) is not first:
+            if held[other] is not first:
                 setattr(module.get_submodule(owner) if owner else module, attribute, first)
 
 
