@@ -230,3 +230,17 @@ def test_a_replicas_ranks_reading_different_batches_are_refused_on_every_rank(tm
     errors = [job.rank(r).get("error", "") for r in range(2)]
     assert all("read different batches (rank 1 against rank 0)" in e for e in errors), errors
     assert errors[0] == errors[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_uneven_sequence_under_sequence_parallelism_is_refused_on_every_rank(tmp_path):
+    """torch's sequence-parallel styles need equal shards: 15 positions over 2 ranks failed inside a collective
+    on one rank (the other's connection reset). Refused where the sequence is first scattered, on every rank."""
+    model = {**BASE["model"], "sequence_parallel": True, "block_size": 15}
+    tp2 = {"name": "hybrid_class", "kwargs": {"tensor_parallel_size": 2}}
+    cfg = {**BASE, "model": model, "strategy": tp2, "devices": 2, "out": str(tmp_path / "job")}
+    job = launch("train_gpt.py", cfg, nproc=2, timeout=120, expect_success=False)
+    errors = [job.rank(r).get("error", "") for r in range(2)]
+    want = "layers.0.dropout scatters dimension 1 of its input (size 15) over tensor_parallel_size=2 ranks"
+    assert all(want in e for e in errors), errors

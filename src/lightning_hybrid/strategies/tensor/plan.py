@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatch
+from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -166,9 +168,44 @@ class TensorPlans:
                 parallelize_module(block, mesh, itself)
             if plan:
                 parallelize_module(block, mesh, plan)
+        for key, style in (self.plans.get(name) or {}).items():
+            _check_scattered_sequence(block, key, style, f"{name}.{key}".strip("."), self.size)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)
+
+
+def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, where: str, size: int) -> None:
+    """Where a style splits a whole input along a dimension (sequence parallelism scatters the sequence: a
+    row-wise style with a sharded output, an input prepared from whole to sharded), that dimension must divide
+    by the tensor-parallel size: torch's styles assume equal shards, and an uneven sequence failed inside a
+    collective on one rank, the others' connections reset. Checked on each forward, before the style's hooks."""
+    dims: list[int] = []
+    if isinstance(style, RowwiseParallel):  # the sum of the split input scattered: the input has all of it
+        dims = [layout.dim for layout in style.output_layouts if isinstance(layout, Shard)]
+    elif isinstance(style, PrepareModuleInput) and style.input_layouts and style.desired_input_layouts:
+        whole, wanted = style.input_layouts[0], style.desired_input_layouts[0]  # the first input, split here
+        dims = [wanted.dim] if isinstance(wanted, Shard) and not isinstance(whole, Shard) else []
+    if not dims:
+        return
+    for sub_name, sub in block.named_modules():
+        if sub_name == key or (key and fnmatch(sub_name, key)):
+            sub.register_forward_pre_hook(_Divisible(dims[0], size, where), prepend=True)
+
+
+class _Divisible:
+    def __init__(self, dim: int, size: int, where: str) -> None:
+        self.dim, self.size, self.where = dim, size, where
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if isinstance(x, Tensor) and -x.dim() <= self.dim < x.dim() and x.shape[self.dim] % self.size:
+            raise ValueError(
+                f"{self.where} scatters dimension {self.dim} of its input (size {x.shape[self.dim]}) over"
+                f" tensor_parallel_size={self.size} ranks (sequence parallelism), which must divide it: torch's"
+                f" sequence-parallel styles need equal shards. Make the sequence length a multiple of {self.size}"
+                " (pad the batch, or choose the block size), or turn sequence parallelism off."
+            )
 
 
 def _refuse_hooked(where: str, module: nn.Module) -> None:
