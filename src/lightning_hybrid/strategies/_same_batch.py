@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -54,19 +55,20 @@ def seed_workers_by_replica(dataloader: object, data_parallel_rank: int, device:
 
 def fingerprint(batch: Any, device: torch.device) -> Tensor:
     """Four int64 numbers that differ, but for a vanishing chance, between two batches that differ: the count of
-    tensors, of elements, the sum of the elements' bits as integers, and that sum weighted by position (a
-    reordering shows). Integer sums wrap and are exact in any order: the same batch gives the same numbers on
-    any device and thread count. Read in chunks (bounded memory); a tensor that is not strided counts its
-    shape only."""
+    tensors, their shapes and dtypes, the sum of the elements' bits as integers, and that sum weighted by
+    position (a reordering shows). Integer sums wrap and are exact in any order: the same batch gives the same
+    numbers on any device and thread count. Read in chunks (bounded memory); a sparse, nested or quantized
+    tensor is counted only."""
     out = torch.zeros(4, dtype=torch.int64, device=device)
     start = 0
     for tensor in _tensors(batch):
         out[0] += 1
-        out[1] += tensor.numel()
-        if tensor.layout != torch.strided or tensor.is_nested:
-            out[2] += hash(tuple(tensor.shape)) % 2**61
-            continue
-        bits = _as_integers(tensor.detach().contiguous().reshape(-1))
+        if tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized:
+            continue  # counted, not compared (a jagged shape holds process-local ids)
+        # the shape and dtype too (crc32: the same in every process, unlike hash() of a str): zeros(2, 3) is not
+        # zeros(3, 2)
+        out[1] += tensor.numel() + zlib.crc32(f"{tuple(tensor.shape)} {tensor.dtype}".encode())
+        bits = _as_integers(tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1))
         for chunk in bits.split(_CHUNK):
             values = chunk.to(torch.int64)
             positions = torch.arange(start + 1, start + 1 + values.numel(), dtype=torch.int64, device=values.device)

@@ -118,23 +118,38 @@ def _read_as_dtensors(owner: nn.Module, names: list[str]) -> None:
 def _attribute_view(p: nn.Parameter, found: TensorSlice, where: str) -> DTensor:
     """The DTensor an attribute read gives. It is a view made for this read, not the parameter: what would act on
     the parameter itself is sent there (``requires_grad_``) or refused with where to do it (a hook on the view
-    would run for this view's graph only, never for a later step)."""
+    would run for this view's graph only, never for a later step). Traced by ``torch.compile``, it is the plain
+    view (the compiler reads no instance attributes of a tensor)."""
     view = found.as_dtensor(p)
+    if not torch.compiler.is_compiling():
+        refused = _RefusedOnView(where)
+        vars(view).update(register_hook=refused, register_post_accumulate_grad_hook=refused, requires_grad_=_SetOn(p))
+    return view
 
-    def refused(*args: Any, **kwargs: Any) -> None:
+
+class _RefusedOnView:
+    """A hook registered on an attribute view: refused with where to put it (module level: a view pickles)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
-            f"{where} is split by tensor parallelism and held as this rank's slice (zero_stage 0-2): read as an"
+            f"{self.where} is split by tensor parallelism and held as this rank's slice (zero_stage 0-2): read as an"
             " attribute it is a DTensor view made for this read, so a hook on it would never run for a later"
             " step. Register the hook on the parameter from named_parameters() (its gradient is this rank's slice"
             " of the whole gradient), or use zero_stage=3, where split parameters are DTensors themselves."
         )
 
-    def requires_grad_(requires_grad: bool = True) -> DTensor:
-        p.requires_grad_(requires_grad)
-        return view
 
-    vars(view).update(register_hook=refused, register_post_accumulate_grad_hook=refused, requires_grad_=requires_grad_)
-    return view
+class _SetOn:
+    """``requires_grad_`` on an attribute view: set on the parameter (returned)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+
+    def __call__(self, requires_grad: bool = True) -> nn.Parameter:
+        return self.param.requires_grad_(requires_grad)
 
 
 def whole(values: dict[str, Any], slices: dict[str, TensorSlice], name_of: Any = None) -> dict[str, Any]:

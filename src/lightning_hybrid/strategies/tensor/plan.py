@@ -179,29 +179,37 @@ def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, 
     """Where a style splits a whole input along a dimension (sequence parallelism scatters the sequence: a
     row-wise style with a sharded output, an input prepared from whole to sharded), that dimension must divide
     by the tensor-parallel size: torch's styles assume equal shards, and an uneven sequence failed inside a
-    collective on one rank, the others' connections reset. Checked on each forward, before the style's hooks."""
-    dims: list[int] = []
-    if isinstance(style, RowwiseParallel):  # the sum of the split input scattered: the input has all of it
-        dims = [layout.dim for layout in style.output_layouts if isinstance(layout, Shard)]
+    collective on one rank, the others' connections reset. Checked on each forward, before the style's hooks,
+    on the first positional input."""
+    dim, of_input = None, False
+    if isinstance(style, RowwiseParallel):  # the output scattered: a leading dimension the input shares
+        dims = [layout.dim for layout in style.output_layouts if isinstance(layout, Shard) and layout.dim >= 0]
+        dim = dims[0] if dims else None
     elif isinstance(style, PrepareModuleInput) and style.input_layouts and style.desired_input_layouts:
         whole, wanted = style.input_layouts[0], style.desired_input_layouts[0]  # the first input, split here
-        dims = [wanted.dim] if isinstance(wanted, Shard) and not isinstance(whole, Shard) else []
-    if not dims:
+        if isinstance(wanted, Shard) and not isinstance(whole, Shard):
+            dim, of_input = wanted.dim, True
+    if dim is None:
         return
-    for sub_name, sub in block.named_modules():
-        if sub_name == key or (key and fnmatch(sub_name, key)):
-            sub.register_forward_pre_hook(_Divisible(dims[0], size, where), prepend=True)
+    for sub_name, sub in _matches(block, key):  # the modules parallelize_module splits for this key
+        name = f"{where.removesuffix(key).rstrip('.')}.{sub_name}".strip(".")
+        # an embedding's input has no feature dimension; a linear layer's last one is the features
+        shared = of_input or isinstance(sub, nn.Embedding)
+        sub.register_forward_pre_hook(_Divisible(dim, size, name, shared), prepend=True)
 
 
 class _Divisible:
-    def __init__(self, dim: int, size: int, where: str) -> None:
-        self.dim, self.size, self.where = dim, size, where
+    def __init__(self, dim: int, size: int, where: str, any_dim: bool) -> None:
+        self.dim, self.size, self.where, self.any_dim = dim, size, where, any_dim
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x = args[0] if args else None
-        if isinstance(x, Tensor) and -x.dim() <= self.dim < x.dim() and x.shape[self.dim] % self.size:
+        x = args[0] if args else None  # an input given by keyword is not checked
+        if not isinstance(x, Tensor) or not -x.dim() <= self.dim < x.dim():
+            return
+        dim = self.dim % x.dim()
+        if (self.any_dim or dim < x.dim() - 1) and x.shape[dim] % self.size:
             raise ValueError(
-                f"{self.where} scatters dimension {self.dim} of its input (size {x.shape[self.dim]}) over"
+                f"{self.where} scatters dimension {dim} of its input (size {x.shape[dim]}) over"
                 f" tensor_parallel_size={self.size} ranks (sequence parallelism), which must divide it: torch's"
                 f" sequence-parallel styles need equal shards. Make the sequence length a multiple of {self.size}"
                 " (pad the batch, or choose the block size), or turn sequence parallelism off."
