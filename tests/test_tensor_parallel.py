@@ -276,3 +276,18 @@ def test_the_sequence_check_hooks_what_the_plan_splits_and_checks_the_scattered_
     # a sharded last dimension is the features, not a sequence: a local input of 3 features is not refused
     _check_scattered_sequence(block, "wide", RowwiseParallel(output_layouts=Shard(-1)), "layers.1.wide", 4)
     block["wide"](torch.randn(2, 5, 3))
+
+
+@pytest.mark.multiproc
+def test_whole_parameters_that_drift_apart_between_peers_are_refused_on_every_rank(tmp_path):
+    """Norms left out of a sequence-parallel plan act on each rank's positions: each peer's copy gets its part of
+    the gradient only and the copies drift apart (nothing at set-up can see it). After the first step every rank
+    stops, naming them; every correct plan in this file passes the same check."""
+    model = {**BASE["model"], "sequence_parallel": True}
+    tp2 = {"name": "hybrid_class", "kwargs": {"tensor_parallel_size": 2}}
+    cfg = {**BASE, "model": model, "model_class": "gpt_norms_outside_the_plan", "strategy": tp2, "devices": 2}
+    job = launch("train_gpt.py", {**cfg, "out": str(tmp_path / "job")}, nproc=2, timeout=120, expect_success=False)
+    errors = [job.rank(r).get("error", "") for r in range(2)]
+    want = "After step 1, parameters the tensor-parallel plan keeps whole differ between tensor-parallel peers:"
+    assert all(want in e and "layers.1.ln_1.weight" in e for e in errors), errors
+    assert errors[0] == errors[1]

@@ -101,7 +101,8 @@ def build_model(cfg: dict[str, Any]) -> GPT:
             from hf_gpt2 import TiedGPT2
 
         return TiedGPT2(**cfg.get("model", {}))
-    model_class = WeightPenaltyGPT if cfg.get("model_class") == "gpt_weight_penalty" else GPT
+    classes = {"gpt_weight_penalty": WeightPenaltyGPT, "gpt_norms_outside_the_plan": NormsOutsideThePlanGPT}
+    model_class = classes.get(cfg.get("model_class", ""), GPT)
     return model_class(
         **{
             "vocab_size": 64,
@@ -126,6 +127,14 @@ class WeightPenaltyGPT(GPT):
             squares = (weight * weight).sum()
             penalty = penalty + (squares.full_tensor() if isinstance(squares, DTensor) else squares)
         return super().pipeline_loss(output, target) + 1e-2 * penalty
+
+
+class NormsOutsideThePlanGPT(GPT):
+    """A plan error no set-up check sees: sequence parallelism without SequenceParallel() on the norms, which then
+    act on each rank's positions and get only their part of the gradient."""
+
+    def tensor_parallel_plan(self, name, block):
+        return {k: v for k, v in super().tensor_parallel_plan(name, block).items() if k not in ("ln_1", "ln_2")}
 
 
 def rank() -> int:

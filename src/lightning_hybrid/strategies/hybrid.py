@@ -55,7 +55,8 @@ from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
-from lightning_hybrid.strategies.tensor.local import same_random_streams
+from lightning_hybrid.strategies.tensor.local import same_random_streams, whole_on_every_rank
+from lightning_hybrid.strategies.tensor.peers import WholeOnPeers
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
@@ -170,6 +171,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._training_started = False  # a checkpoint loaded after this is a roll-back, not a resume
         self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters
         self._prepared_module: Union[nn.Module, None] = None
+        self._whole_on_peers: Union[WholeOnPeers, None] = None  # tensor parallelism: checked after first steps
 
     @classmethod
     @override
@@ -319,7 +321,11 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         super().on_train_start()
         self._training_started = True
         if self.layout.tensor_parallel_size > 1:
-            same_random_streams(self.device_mesh[TP_AXIS].get_group())
+            group, module = self.device_mesh[TP_AXIS].get_group(), self.lightning_module
+            same_random_streams(group)
+            whole = {id(p) for p in whole_on_every_rank(module, TP_AXIS)}
+            named = [(n, p) for n, p in module.named_parameters() if id(p) in whole and p.requires_grad]
+            self._whole_on_peers = WholeOnPeers(named, group, self.root_device)
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """The recipe (``_recipe.prepare_module``), once per module."""

@@ -210,6 +210,8 @@ class HybridStep:
             self._reduced.discard(id(optimizer))
         if self._buffers is not None:
             self._buffers.broadcast()
+        if self._whole_on_peers is not None:  # tensor-parallel peers' whole parameters still equal
+            self._whole_on_peers.after_step()
         return result
 
     def _prepare_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
