@@ -199,7 +199,7 @@ def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc
     "kwargs",
     [
         pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
-        {"pipeline_parallel_size": 2, "num_microbatches": 2},
+        pytest.param({"pipeline_parallel_size": 2, "num_microbatches": 2}, marks=pytest.mark.slow),
     ],
     ids=["tp2", "pp2"],
 )
