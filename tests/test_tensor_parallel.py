@@ -263,18 +263,18 @@ def test_the_sequence_check_hooks_what_the_plan_splits_and_checks_the_scattered_
         }
     )
     # a key matches one name level per atom, as parallelize_module resolves it: vision.attn.o_proj is not split
-    _check_scattered_sequence(block, "*.o_proj", RowwiseParallel(output_layouts=Shard(1)), "layers.3.*.o_proj", 2)
+    _check_scattered_sequence(block, "*.o_proj", RowwiseParallel(output_layouts=Shard(1)), "layers.3", 2)
     with pytest.raises(ValueError, match=r"layers\.3\.attn\.o_proj scatters dimension 1 of its input \(size 15\)"):
         block["attn"]["o_proj"](torch.randn(2, 15, 8))
     block["attn"]["o_proj"](torch.randn(2, 16, 8))
     block["vision"]["attn"]["o_proj"](torch.randn(2, 15, 8))
     # an embedding's input is (batch, sequence): its dimension 1 is the output's
     embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    _check_scattered_sequence(block, "tok", embedding, "layers.0.tok", 2)
+    _check_scattered_sequence(block, "tok", embedding, "layers.0", 2)
     with pytest.raises(ValueError, match=r"layers\.0\.tok scatters dimension 1 of its input \(size 15\)"):
         block["tok"](torch.randint(10, (2, 15)))
     # a sharded last dimension is the features, not a sequence: a local input of 3 features is not refused
-    _check_scattered_sequence(block, "wide", RowwiseParallel(output_layouts=Shard(-1)), "layers.1.wide", 4)
+    _check_scattered_sequence(block, "wide", RowwiseParallel(output_layouts=Shard(-1)), "layers.1", 4)
     block["wide"](torch.randn(2, 5, 3))
 
 

@@ -33,9 +33,6 @@ class WholeOnPeers:
     def __init__(self, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, device: torch.device):
         self.params, self.group, self.device, self.steps = params, group, device, 0
 
-    def restart(self) -> None:
-        self.steps = 0
-
     def after_step(self) -> None:
         """One of the first steps of a fit ended on every rank: compare (a collective: every rank calls it)."""
         if self.steps >= CHECKED_STEPS:

@@ -169,13 +169,13 @@ class TensorPlans:
             if plan:
                 parallelize_module(block, mesh, plan)
         for key, style in (self.plans.get(name) or {}).items():
-            _check_scattered_sequence(block, key, style, f"{name}.{key}".strip("."), self.size)
+            _check_scattered_sequence(block, key, style, name, self.size)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)
 
 
-def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, where: str, size: int) -> None:
+def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, block_name: str, size: int) -> None:
     """Where a style splits a whole input along a dimension (sequence parallelism scatters the sequence: a
     row-wise style with a sharded output, an input prepared from whole to sharded), that dimension must divide
     by the tensor-parallel size: torch's styles assume equal shards, and an uneven sequence failed inside a
@@ -192,7 +192,7 @@ def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, 
     if dim is None:
         return
     for sub_name, sub in _matches(block, key):  # the modules parallelize_module splits for this key
-        name = f"{where.removesuffix(key).rstrip('.')}.{sub_name}".strip(".")
+        name = f"{block_name}.{sub_name}".strip(".")
         # an embedding's input has no feature dimension; a linear layer's last one is the features
         shared = of_input or isinstance(sub, nn.Embedding)
         sub.register_forward_pre_hook(_Divisible(dim, size, name, shared), prepend=True)
