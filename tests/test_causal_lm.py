@@ -207,6 +207,9 @@ def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
         held = [result.rank(r)["held"] for r in range(nproc)]
         pp = strategy["kwargs"].get("pipeline_parallel_size", 1)
         assert max(held) < (0.7 if pp == 1 else 0.45) * n, (held, n)  # unsplit: 1.0, or the larger stage's 0.65
+        # every rank's split blocks (a decoder layer, the head) ran whole on their first input: the same outputs
+        checked = [result.rank(r)["plan_checked"] for r in range(nproc)]
+        assert all(checked) and any(len(c) == 2 for c in checked), checked
     if case in SLICED_READS:  # each rank read its stages' tensors (pp2) or its rows (ZeRO-3): the file once
         from safetensors import safe_open
 

@@ -68,6 +68,8 @@ def test_tp2_with_accumulation_and_clipping_matches_single_process(tmp_path):
     # tensor-parallel peers read the same batches: one data-parallel replica
     assert [job.rank(r)["sampler"] for r in range(2)] == [{"num_replicas": 1, "rank": 0}] * 2
     _check_split(job, 2)
+    # each kind of block (embedding, decoder block, head) was run whole on its first input and agreed
+    assert [job.rank(r)["plan_checked"] for r in range(2)] == [["layers.0", "layers.1", "layers.5"]] * 2
 
 
 @pytest.mark.multiproc
@@ -92,6 +94,7 @@ def test_dp2_tp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
     assert [job.rank(r)["param_attributes"] for r in range(4)] == [flags] * 4
     # tensor-parallel ranks are adjacent and share a data-parallel index
     assert [job.rank(r)["sampler"]["rank"] for r in range(4)] == [0, 0, 1, 1]
+    assert all(job.rank(r)["plan_checked"] for r in range(4))  # ZeRO-3: each parameter gathered over dp x tp
 
 
 @pytest.mark.multiproc
@@ -171,7 +174,9 @@ def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
     out of each, an all-gather into the next; the norms' gradients summed over the positions' ranks); across
     pipeline stages the hidden states travel split by sequence."""
     model = {"sequence_parallel": True}
-    _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer={"accumulate_grad_batches": 2}, accumulate=2)
+    job = _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer={"accumulate_grad_batches": 2}, accumulate=2)
+    # the blocks, run whole on their first input (gathered along the sequence), gave what the split ones give
+    assert all(job.rank(r)["plan_checked"] for r in range(nproc))
 
 
 @pytest.mark.multiproc
@@ -187,6 +192,7 @@ def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc
     )
     # evaluation too: the split logits reach the metric whole (under a pipeline, gathered on the last stage first)
     assert all(job.rank(r)["validate"]["val_loss"] > 0 for r in range(nproc))
+    assert all(job.rank(r)["plan_checked"] for r in range(nproc))  # the head's split logits joined, compared
     # on the ranks that compute the loss: the logits arrive split by vocabulary, and the loss gathers none of
     # them (loss parallelism reduces a max and two sums per row; without it DTensor would all-gather the logits)
     seen = [job.rank(r)["loss_comms"] for r in range(nproc) if job.rank(r)["loss_comms"]]
@@ -276,6 +282,23 @@ def test_the_sequence_check_hooks_what_the_plan_splits_and_checks_the_scattered_
     # a sharded last dimension is the features, not a sequence: a local input of 3 features is not refused
     _check_scattered_sequence(block, "wide", RowwiseParallel(output_layouts=Shard(-1)), "layers.1", 4)
     block["wide"](torch.randn(2, 5, 3))
+
+
+@pytest.mark.multiproc
+def test_a_plan_that_changes_what_a_block_computes_is_refused_on_every_rank(tmp_path):
+    """q, k and v in one Linear split column-wise like separate projections: each rank's heads mix q with k, every
+    peer alike (no comparison between peers can see it), and the model trains to other losses than one process.
+    Run whole on its first input, the block gives other outputs: every rank stops after the first step, naming
+    it. Every correct plan in this file passes the same check (their reports name the blocks it compared)."""
+    tp2 = {"name": "hybrid_class", "kwargs": {"tensor_parallel_size": 2}}
+    cfg = {**BASE, "model_class": "gpt_fused_qkv", "strategy": tp2, "devices": 2}
+    job = launch("train_gpt.py", {**cfg, "out": str(tmp_path / "job")}, nproc=2, timeout=120, expect_success=False)
+    errors = [job.rank(r).get("error", "") for r in range(2)]
+    want = "The tensor-parallel plan changes what a block computes: layers.1's output 0 split differs from the block"
+    assert all(want in e and "fused projection" in e for e in errors), errors
+    assert errors[0] == errors[1]
+    gap = float(errors[0].split("relative difference ")[1].split(",")[0])
+    assert gap > 0.1, errors[0]  # far past what rounding allows (1e-3): a wrong plan is off by about 1
 
 
 @pytest.mark.multiproc

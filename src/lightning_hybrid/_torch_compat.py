@@ -23,6 +23,7 @@ __all__ = [
     "DCP_PRIVATE_GLOBALS",
     "PARAMETER_ATTRIBUTES_OF_TORCH",
     "RaisingTensor",
+    "clear_forward_hooks",
     "default_store",
     "dtensor_offsets",
     "grad_scaler_growth_tracker",
@@ -94,6 +95,16 @@ def post_accumulate_hooks(param: Tensor) -> list[Callable[[Tensor], Any]]:
     ``Tensor._post_accumulate_grad_hooks``, an ordered dict or None)."""
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     return list(hooks.values()) if hooks else []
+
+
+def clear_forward_hooks(module: torch.nn.Module) -> None:
+    """Drop every forward and forward pre-hook of ``module`` and its submodules (on a private copy: the hooks
+    were copied with the module)."""
+    for m in module.modules():
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._forward_hooks_with_kwargs):
+            hooks.clear()
+        m._forward_pre_hooks_with_kwargs.clear()
+        m._forward_hooks_always_called.clear()
 
 
 def dtensor_offsets(tensor: Any) -> tuple[int, ...]:

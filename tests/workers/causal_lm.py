@@ -108,6 +108,8 @@ def main(cfg: dict[str, Any]) -> None:
     # the elements of the parameters this rank stores (a DTensor's local part): what tensor parallelism splits
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     report = {"rank": rank(), "losses": losses.losses, "step": trainer.global_step, "read": read, "held": held}
+    check = getattr(trainer.strategy, "_plan_check", None)  # the blocks compared with themselves run whole
+    report["plan_checked"] = check.checked if check is not None else []
     write_report(cfg["out"], report)
 
 

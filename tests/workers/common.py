@@ -101,7 +101,11 @@ def build_model(cfg: dict[str, Any]) -> GPT:
             from hf_gpt2 import TiedGPT2
 
         return TiedGPT2(**cfg.get("model", {}))
-    classes = {"gpt_weight_penalty": WeightPenaltyGPT, "gpt_norms_outside_the_plan": NormsOutsideThePlanGPT}
+    classes = {
+        "gpt_weight_penalty": WeightPenaltyGPT,
+        "gpt_norms_outside_the_plan": NormsOutsideThePlanGPT,
+        "gpt_fused_qkv": FusedQKVGPT,
+    }
     model_class = classes.get(cfg.get("model_class", ""), GPT)
     return model_class(
         **{
@@ -135,6 +139,40 @@ class NormsOutsideThePlanGPT(GPT):
 
     def tensor_parallel_plan(self, name, block):
         return {k: v for k, v in super().tensor_parallel_plan(name, block).items() if k not in ("ln_1", "ln_2")}
+
+
+class FusedQKVGPT(GPT):
+    """A plan error every peer computes alike: q, k and v in one Linear, split column-wise like separate ones.
+    Each rank gets a slice across q and k (or k and v), not whole heads; the peers never differ."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for block in self.layers:
+            if hasattr(block, "attn"):
+                block.attn = FusedQKVAttention(block.attn)
+
+    def tensor_parallel_plan(self, name, block):
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        plan = super().tensor_parallel_plan(name, block)
+        if "attn.q" in plan:
+            plan = {k: v for k, v in plan.items() if k not in ("attn.q", "attn.k", "attn.v")}
+            plan["attn.qkv"] = ColwiseParallel()
+        return plan
+
+
+class FusedQKVAttention(torch.nn.Module):
+    def __init__(self, attn: torch.nn.Module) -> None:
+        super().__init__()
+        width = attn.q.in_features
+        self.head_dim, self.proj = attn.head_dim, attn.proj
+        self.qkv = torch.nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def rank() -> int:

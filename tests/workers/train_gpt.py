@@ -131,6 +131,8 @@ def main(cfg: dict[str, Any]) -> None:
         report["held_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
         report["sampler"] = strategy.distributed_sampler_kwargs
         report["reductions"] = strategy.reductions_started()
+        check = getattr(strategy, "_plan_check", None)  # the blocks compared with themselves run whole
+        report["plan_checked"] = check.checked if check is not None else []
     if cfg.get("report_params"):  # this rank's values of the named parameters it holds (all names of a tie)
         held = dict(model.named_parameters(remove_duplicate=False))
         report["params"] = {

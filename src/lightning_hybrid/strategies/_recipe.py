@@ -31,6 +31,7 @@ from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner, pipeline_loss_scaling
 from lightning_hybrid.strategies.pipeline.split import describe_stages, split_module, stage_ranges
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
+from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import tensor_slice, whole_on_every_rank
 from lightning_hybrid.strategies.tensor.plan import plan_blocks
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
@@ -61,6 +62,7 @@ class Prepared:
     checkpoint_names: CheckpointNames  # where checkpoints store tied parameters
     pretrained_bytes_read: int
     counted: CountedLoss | None  # the loss is a mean over pipeline_loss_count elements
+    plan_check: PlanCheck | None = None  # tensor parallelism: each kind of split block against itself whole
 
 
 def prepare_module(
@@ -197,4 +199,5 @@ def prepare_module(
     if runner is not None:  # the schedule runs the stages' backward passes
         deferred = SCHEDULES[layout.schedule].splits_weight_grad
         sync.watch_pipeline(stages, weight_gradients_deferred=deferred, inferring=lambda: runner.inferring)
-    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted)
+    check = tensor_plans.check if tensor_plans is not None else None
+    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted, check)

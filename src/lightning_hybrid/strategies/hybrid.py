@@ -55,6 +55,7 @@ from lightning_hybrid.strategies.hybrid_step import HybridStep
 from lightning_hybrid.strategies.pipeline.counted_loss import CountedLoss
 from lightning_hybrid.strategies.pipeline.partition import PipelineSplit
 from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
+from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import same_random_streams, whole_on_every_rank
 from lightning_hybrid.strategies.tensor.peers import WholeOnPeers
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
@@ -172,6 +173,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._checkpoint_names = CheckpointNames()  # where checkpoints store tied parameters
         self._prepared_module: Union[nn.Module, None] = None
         self._whole_on_peers: Union[WholeOnPeers, None] = None  # tensor parallelism: checked after first steps
+        self._plan_check: Union[PlanCheck, None] = None  # ... with each kind of split block against itself whole
 
     @classmethod
     @override
@@ -325,7 +327,9 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
             same_random_streams(group)
             whole = {id(p) for p in whole_on_every_rank(module, TP_AXIS)}
             named = [(n, p) for n, p in module.named_parameters() if id(p) in whole and p.requires_grad]
-            self._whole_on_peers = WholeOnPeers(named, group, self.root_device)
+            self._whole_on_peers = WholeOnPeers(named, group, self.root_device, self._plan_check)
+            if self._plan_check is not None:  # the blocks compared under training's autocast
+                self._plan_check.forward_context = self.precision_plugin.forward_context
 
     def _prepare(self, module: pl.LightningModule) -> None:
         """The recipe (``_recipe.prepare_module``), once per module."""
@@ -343,7 +347,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         )
         self.model = prepared.module
         self._runner, self._sync = prepared.runner, prepared.sync
-        self._counted = prepared.counted
+        self._counted, self._plan_check = prepared.counted, prepared.plan_check
         self._buffers = ReplicaBuffers(prepared.module, self.data_parallel_group)
         self._checkpoint_names = prepared.checkpoint_names
         self._pretrained_bytes_read = prepared.pretrained_bytes_read

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_hybrid._agree import agreed_problem
+from lightning_hybrid.strategies.tensor.check import PlanCheck
 
 __all__ = ["CHECKED_STEPS", "WholeOnPeers"]
 
@@ -30,8 +31,15 @@ _TOLERANCE = 1e-9  # relative to the parameter's magnitude: peers computing alik
 class WholeOnPeers:
     """The parameters of ``module`` every peer of ``group`` holds whole (``params``, by name), checked equal."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, device: torch.device):
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        group: dist.ProcessGroup,
+        device: torch.device,
+        plan_check: PlanCheck | None = None,
+    ) -> None:
         self.params, self.group, self.device, self.steps = params, group, device, 0
+        self.plan_check = plan_check  # run after the first step, its verdict agreed with this one's
 
     def after_step(self) -> None:
         """One of the first steps of a fit ended on every rank: compare (a collective: every rank calls it)."""
@@ -47,10 +55,20 @@ class WholeOnPeers:
             scale = seen[:, :, 0].amax(dim=0).clamp_min(1e-30)
             apart = ((seen[:, :, 1:] - seen[:1, :, 1:]).abs().amax(dim=(0, 2)) > _TOLERANCE * scale).tolist()
             names = [name for (name, _), off in zip(self.params, apart) if off]
-        problem = None
+        problems = []
+        if self.steps == 1 and self.plan_check is not None:
+            found = self.plan_check.run(self.group, self.device)
+            if found:
+                problems.append(
+                    f"The tensor-parallel plan changes what a block computes: {found}. A fused projection (q, k"
+                    " and v in one Linear) split column-wise gives each rank a slice across q, k and v, not whole"
+                    " heads; a module that takes a head count or a width from a constant, not from its weights,"
+                    " computes with the whole model's number. Give fused projections one Linear each (or gather"
+                    " their output: ColwiseParallel(output_layouts=Replicate())), and read sizes from the weights."
+                )
         if names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            problem = (
+            problems.append(
                 f"After step {self.steps}, parameters the tensor-parallel plan keeps whole differ between"
                 f" tensor-parallel peers: {shown}. Each acts on activations the plan split (a norm in a"
                 " sequence-parallel region, a per-head norm inside split attention), so it got only its rank's part"
@@ -58,7 +76,7 @@ class WholeOnPeers:
                 " (SequenceParallel() replicates the parameters and sums their gradients over the peers), or gather"
                 " the activations before them (PrepareModuleInput to Replicate())."
             )
-        agreed = agreed_problem(problem, device=self.device)  # the world: every rank stops, or none
+        agreed = agreed_problem(" ".join(problems) or None, device=self.device)  # the world: every rank stops, or none
         if agreed is not None:
             raise RuntimeError(agreed)
 

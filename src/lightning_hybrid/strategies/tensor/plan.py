@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_hybrid._torch_compat import post_accumulate_hooks, tensor_hooks
 from lightning_hybrid.strategies._params import attributes_kept
+from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import localize
 
 __all__ = ["TensorPlans", "plan_blocks"]
@@ -62,6 +63,7 @@ class TensorPlans:
 
     def __init__(self, module: nn.Module, size: int) -> None:
         self.size = size
+        self.check = PlanCheck()  # each kind of split block against itself whole, after the first step
         self.plans: dict[str, Plan] = {}
         self.splits: dict[str, int | None] = {}  # parameter name -> the dimension its style splits
         kind = type(module).__name__
@@ -162,6 +164,7 @@ class TensorPlans:
         plan = dict(self.plans.get(name) or {})
         if not plan or getattr(block, _SPLIT, False):
             return
+        self.check.watch(name, block, plan)
         itself = plan.pop("", None)
         with attributes_kept(block):  # a style makes new parameters
             if itself is not None:
