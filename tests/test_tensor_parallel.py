@@ -297,8 +297,80 @@ def test_a_plan_that_changes_what_a_block_computes_is_refused_on_every_rank(tmp_
     want = "The tensor-parallel plan changes what a block computes: layers.1's output 0 split differs from the block"
     assert all(want in e and "fused projection" in e for e in errors), errors
     assert errors[0] == errors[1]
-    gap = float(errors[0].split("relative difference ")[1].split(",")[0])
-    assert gap > 0.1, errors[0]  # far past what rounding allows (1e-3): a wrong plan is off by about 1
+    gap = float(errors[0].split("relative difference ")[1].split(" ")[0])
+    assert gap > 0.1 and "in 100% of its rows" in errors[0], errors[0]  # far past rounding (1e-3), everywhere
+
+
+def test_the_block_check_tells_a_wrong_plan_from_rounding_and_keeps_what_it_reads():
+    """What the check of a split block against itself whole counts as off: rows (last-dimension vectors)
+    beyond the tolerance, NaN alike in both where a padded row's attention is fully masked, a row finite in
+    one and not in the other off; a few rows off (a routing decision rounding flipped) is not a wrong plan,
+    which moves every row. Named tuples in a block's input are kept as they are."""
+    from collections import namedtuple
+
+    from lightning_hybrid.strategies.tensor.check import _ROWS, _map, _rows_off
+
+    torch.manual_seed(0)
+    want = torch.randn(4, 12, 32)
+    assert _rows_off(want + 1e-7 * torch.randn_like(want), want, 1e-3) == (pytest.approx(0, abs=1e-5), 0.0)
+    gap, rows = _rows_off(want.flip(-1), want, 1e-3)  # every row wrong
+    assert gap > 0.5 and rows == 1.0
+    flipped = want.clone()
+    flipped[0, :3] = torch.randn(3, 32)  # 3 of 48 rows moved (a routing flip)
+    gap, rows = _rows_off(flipped, want, 1e-3)
+    assert gap > 1e-3 and rows == pytest.approx(3 / 48) and rows < _ROWS
+    masked, masked_want = want.clone(), want.clone()
+    masked[1, 5], masked_want[1, 5] = float("nan"), float("nan")
+    assert _rows_off(masked, masked_want, 1e-3) == (0.0, 0.0)  # NaN in both: alike
+    masked_want[1, 5] = 0.0
+    gap, rows = _rows_off(masked, masked_want, 1e-3)  # NaN in one only: that row is off
+    assert gap == float("inf") and rows == pytest.approx(1 / 48)
+    pair = namedtuple("Pair", "hidden mask")(torch.ones(2), None)
+    assert _map(lambda t: t, pair) == pair and type(_map(lambda t: t, pair)) is type(pair)
+
+
+def test_the_block_check_puts_back_what_the_block_counts_and_skips_a_block_that_draws_in_eval(tmp_path, caplog):
+    """In one process (a one-rank mesh): the check runs the block again, and a buffer the forward counts in
+    is put back, the training flag too; a block that draws random numbers even in eval mode (``F.dropout``
+    without ``training=``) differs from itself run whole twice, so it is skipped with a warning, not refused."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_hybrid.strategies.tensor.check import PlanCheck
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 8)
+            self.register_buffer("seen", torch.zeros(()))
+
+        def forward(self, x):
+            self.seen += 1
+            return self.lin(x)
+
+    class Drawing(Counting):  # another kind of block (a class and a plan): checked on its own
+        def forward(self, x):
+            return F.dropout(super().forward(x), 0.5)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh, check = init_device_mesh("cpu", (1,)), PlanCheck()
+        blocks = {"counting": Counting(), "drawing": Drawing(), "counting again": Counting()}
+        for name, block in blocks.items():
+            plan = {"lin": ColwiseParallel()}
+            check.watch(name, block, plan)
+            parallelize_module(block, mesh, plan)
+            block(torch.randn(2, 3, 4))
+        with caplog.at_level("WARNING"):
+            assert check.run(dist.group.WORLD, torch.device("cpu")) is None
+        assert check.checked == ["counting"]
+        assert "drawing could not be run whole" in caplog.text and "draws random numbers" in caplog.text
+        assert [float(b.seen) for b in blocks.values()] == [1.0] * 3 and all(b.training for b in blocks.values())
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.multiproc

@@ -29,6 +29,7 @@ def matrix(tmp_path_factory) -> Matrix:
     return Matrix(tmp_path_factory.mktemp("conformance"))
 
 
+@pytest.mark.timeout(1800)  # a four-process layout on a slow machine: launches of 900 s at most, relaunched
 @pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout not in RUN_PY_ONLY])
 def test_layout(matrix: Matrix, layout: str) -> None:
     problems = matrix.run_layout(layout)
