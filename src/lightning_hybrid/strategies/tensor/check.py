@@ -303,10 +303,10 @@ def _kept(t: Any) -> Any:
 
 
 def _map(fn: Callable[[Any], Any], x: Any) -> Any:
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
-        return type(x)(*(_map(fn, v) for v in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(_map(fn, v) for v in x)
+        items = [_map(fn, v) for v in x]
+        # a named tuple (a tuple's subclass) takes its fields one by one
+        return type(x)(*items) if isinstance(x, tuple) and type(x) is not tuple else type(x)(items)
     if isinstance(x, dict):
         return {k: _map(fn, v) for k, v in x.items()}
     return fn(x)
