@@ -38,6 +38,7 @@ from torch.func import functional_call
 
 from lightning_hybrid._agree import agree
 from lightning_hybrid._torch_compat import clear_forward_hooks
+from lightning_hybrid.strategies._same_batch import _tensors
 
 __all__ = ["PlanCheck"]
 
@@ -114,7 +115,7 @@ class _Watched:
         if torch.compiler.is_compiling() or not module.training or torch.is_inference_mode_enabled():
             return  # a compiled block, validation: nothing kept (every peer alike)
         try:  # one sample of the batch is enough, and bounds what is kept and run whole
-            first = next((t for t in _flat((args, kwargs)) if t.dim() > 1), None)
+            first = next((t for t in _all_tensors((args, kwargs)) if t.dim() > 1), None)
             batch = first.shape[0] if first is not None else 0
             keep = (lambda t: _kept(t[:1] if t.dim() and t.shape[0] == batch else t)) if batch > 1 else _kept
             self.inputs = (_map(keep, args), _map(keep, kwargs))
@@ -149,7 +150,7 @@ class _Watched:
     def _run(self, args: Any, kwargs: Any, group: dist.ProcessGroup, device: torch.device, checked: list[str]) -> Any:
         self.block.eval()
         buffers = {n: b.clone() for n, b in self.block.named_buffers()}  # as the split run finds them
-        split = _flat(_agreed(lambda: self.block(*args, **kwargs), group, device))
+        split = _all_tensors(_agreed(lambda: self.block(*args, **kwargs), group, device))
         joined = _Joined(group, self.sequence_dim)
         whole_args, whole_kwargs = _map(joined.input, args), _map(joined.input, kwargs)
         (ok,) = agree([0.0 if joined.unknown else 1.0], op="min", device=device, group=group)
@@ -161,7 +162,7 @@ class _Watched:
         def whole(seed: int) -> list[Tensor]:
             torch.manual_seed(seed)  # two runs apart: a block that draws random numbers in eval mode shows
             state = {**values, **{n: b.clone() for n, b in buffers.items()}}
-            return _flat(functional_call(self.whole, state, tuple(whole_args), whole_kwargs, strict=False))
+            return _all_tensors(functional_call(self.whole, state, tuple(whole_args), whole_kwargs, strict=False))
 
         expected = _agreed(lambda: whole(1), group, device)
         got = [joined.output(mine, want.shape) for mine, want in zip(split, expected)]  # gathered: every output
@@ -312,11 +313,5 @@ def _map(fn: Callable[[Any], Any], x: Any) -> Any:
     return fn(x)
 
 
-def _flat(x: Any) -> list[Tensor]:
-    if isinstance(x, Tensor):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _flat(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _flat(v)]
-    return []
+def _all_tensors(x: Any) -> list[Tensor]:
+    return list(_tensors(x))  # the batch fingerprint's walk: mappings, sequences, dataclasses
