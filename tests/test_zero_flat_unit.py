@@ -233,10 +233,12 @@ def test_zero2_reduced_then_another_backward_then_cleared(one_rank_group, nan_fo
     torch.testing.assert_close(shard_grad(), _flat_grads(reference), rtol=0, atol=1e-6)
 
 
-def test_zero2_bucket_buffers_are_reused_within_a_window_and_released_at_the_step(one_rank_group, monkeypatch):
-    """A window's micro-batches reduce their buckets in buffers of earlier reductions (no fresh allocation per
-    bucket and micro-batch, whose cost grows with the model), at most as many as can be live at once; from the
-    step on none is kept, so the optimizer's peak is not raised. The gradient stays exact."""
+def test_zero2_buffers_are_reused_from_micro_batch_to_micro_batch_and_step_to_step(one_rank_group, monkeypatch):
+    """ZeRO-2's micro-batches reduce their buckets in buffers of earlier reductions, at most as many as can be
+    live at once, and the next window reuses them and the last window's shard gradient: no fresh allocation
+    per bucket, micro-batch or step (on the host, fresh memory costs a page fault per 4 KiB: a cost that grows
+    with the model). The gradient stays exact, with a parameter that has a gradient in some micro-batches
+    only, although no buffer is zeroed."""
     from lightning_hybrid.strategies.zero.bucket_gradients import BucketGradients
 
     model, reference, sharded = _branchy_zero2(one_rank_group)
@@ -247,8 +249,9 @@ def test_zero2_bucket_buffers_are_reused_within_a_window_and_released_at_the_ste
     monkeypatch.setattr(
         BucketGradients, "_new_buffer", lambda self, b: taken[-1].append(len(self._pool)) or real_new_buffer(self, b)
     )
-    for _ in range(2):
-        for use_skip in (True, False, True):
+    storages = []
+    for use_skips in ((True, False, True), (False, False, True), (False, False, False)):
+        for use_skip in use_skips:
             taken.append([])
             x = torch.randn(5, 4)
             model(x, use_skip).square().sum().backward()
@@ -257,7 +260,7 @@ def test_zero2_bucket_buffers_are_reused_within_a_window_and_released_at_the_ste
             sharded.after_backward()
             assert 0 < len(grads._pool) <= sharded.queue.max_in_flight + 1
         sharded.reduce_gradients()
-        assert grads._pool == []  # nothing kept from the step on
+        storages.append(grads.shard_grad.data_ptr())
         got = grads.shard_grad[: sum(p.numel() for p in grads.params)]
         torch.testing.assert_close(got, _flat_grads(reference), rtol=0, atol=1e-6)
         sharded.step()
@@ -265,7 +268,77 @@ def test_zero2_bucket_buffers_are_reused_within_a_window_and_released_at_the_ste
         reference.zero_grad()
         for p, q in zip(model.parameters(), reference.parameters()):
             q.data.copy_(p.data)
-    # each window's first micro-batch finds the pool empty; its later ones take every buffer from it
-    assert len(taken) == 6 and all(t for t in taken)
-    for i, pool_sizes in enumerate(taken):
-        assert pool_sizes[0] == 0 if i % 3 == 0 else all(n > 0 for n in pool_sizes), (i, taken)
+        assert 0 < len(grads._pool) <= sharded.queue.max_in_flight + 1  # kept for the next window
+    assert len(set(storages)) == 1  # every window's shard gradient in the same storage
+    # only the very first micro-batch found the pool empty
+    assert len(taken) == 9 and all(t for t in taken)
+    assert taken[0][0] == 0 and all(n > 0 for sizes in taken[1:] for n in sizes), taken
+
+
+@pytest.mark.parametrize(("stage", "mode"), [(1, "every_microbatch"), (2, "once_per_step")])
+def test_gradients_user_code_reads_after_backward_are_exact_window_after_window(one_rank_group, stage, mode):
+    """With user code reading ``.grad`` after backward (on_after_backward: ZeRO-1 and once_per_step hold the
+    whole gradient: "full"), three windows of two micro-batches, a branch taken in some only: the model's ``.grad``
+    and the shard gradient match autograd in every window (no window's numbers reach the next, none is lost
+    where backward accumulated into the buffer's views)."""
+    from lightning_hybrid.strategies._user_code import UserGradientCode
+
+    torch.manual_seed(0)
+    model, reference = _Branchy(), _Branchy()
+    reference.load_state_dict(model.state_dict())
+    names = {p: n for n, p in model.named_parameters()}
+    sharded = FlatShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), names=names, group=one_rank_group, zero_stage=stage,
+        reduce_gradients=mode, bucket_numel=16, user=UserGradientCode(after_backward=True),
+    )  # fmt: skip
+    for window in ((True, True), (False, False), (False, True)):
+        for k, use_skip in enumerate(window):
+            sharded.queue.armed = stage == 2 or k == len(window) - 1
+            x = torch.randn(5, 4)
+            sharded.before_backward()  # as the strategy's backward: the placeholders user code saw go
+            model(x, use_skip).square().sum().backward()
+            reference(x, use_skip).square().sum().backward()
+            sharded.queue.end_backward()
+            sharded.after_backward()
+        sharded.reduce_gradients()
+        want = _flat_grads(reference)
+        torch.testing.assert_close(sharded.groups[0].shard.grad[:45], want, rtol=0, atol=1e-6)
+        assert sharded.groups[0].grads.full  # the replicas' mean in .grad, as under DDP
+        torch.testing.assert_close(_flat_grads(model), want, rtol=0, atol=1e-6)
+        sharded.step()
+        sharded.zero_grad()
+        reference.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.data.copy_(p.data)
+
+
+def test_zero1_buffer_is_not_zeroed_per_step_and_a_gradient_a_window_lacks_is_zero(one_rank_group):
+    """ZeRO-1's persistent buffer is not zeroed at the step (a memset of the model's gradient bytes per step):
+    each window's first gradient is copied in, and a parameter with no gradient in a window (a branch not
+    taken) is zeroed as its bucket is reduced, so it does not carry the last window's. Exact against autograd
+    over three windows, with the buffer still holding the last window's numbers after each step."""
+    torch.manual_seed(0)
+    model, reference = _Branchy(), _Branchy()
+    reference.load_state_dict(model.state_dict())
+    names = {p: n for n, p in model.named_parameters()}
+    sharded = FlatShardedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), names=names, group=one_rank_group, zero_stage=1,
+        reduce_gradients="every_microbatch", bucket_numel=16,
+    )  # fmt: skip
+    grads = sharded.groups[0].grads
+    for window in ((True, True), (False, False), (False, True)):
+        for k, use_skip in enumerate(window):
+            sharded.queue.armed = k == len(window) - 1  # as the strategy arms it: the window's last backward
+            x = torch.randn(5, 4)
+            model(x, use_skip).square().sum().backward()
+            reference(x, use_skip).square().sum().backward()
+            sharded.queue.end_backward()
+            sharded.after_backward()
+        sharded.reduce_gradients()
+        torch.testing.assert_close(sharded.groups[0].shard.grad[:45], _flat_grads(reference), rtol=0, atol=1e-6)
+        sharded.step()
+        sharded.zero_grad()
+        reference.zero_grad()
+        assert torch.count_nonzero(grads.flat) > 0  # not zeroed: the next window overwrites it
+        for p, q in zip(model.parameters(), reference.parameters()):
+            q.data.copy_(p.data)

@@ -1,7 +1,9 @@
 """ZeRO-2's default gradients (``reduce_gradients="every_microbatch"``, DeepSpeed's choice): each parameter's
 gradient is handed off into its bucket as soon as backward accumulated it, and each bucket is reduced to the
-ranks whose shards it covers and freed, so a rank never holds more of the full gradient than the buckets
-still waiting. The rules every ZeRO-1/2 gradient follows are in ``flat_gradients``."""
+ranks whose shards it covers, its buffer then taken by a later bucket, so a rank never holds more of the full
+gradient than the buckets still waiting (those buffers, and the shard gradient's storage, are kept from step
+to step: nothing is allocated afresh per bucket, micro-batch or step). The rules every ZeRO-1/2 gradient
+follows are in ``flat_gradients``."""
 
 from __future__ import annotations
 
@@ -37,11 +39,13 @@ class BucketGradients(GroupGradients):
         world = dist.get_world_size(kwargs["group"])
         self.buckets = bucket_ranges(params, offsets, padded, bucket_numel, shard_numel=padded // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
-        # buffers of reductions that are done, for the next buckets of the window: a buffer allocated afresh for
-        # every bucket of every micro-batch would touch new memory each time (on the host, a page fault per 4
-        # KiB), a cost that grows with the model. At most as many as can be live at once are kept (the bucket
-        # filling and those in flight), and none from the step on: the optimizer's peak is not raised
+        # buffers of reductions that are done, for the next buckets: a buffer allocated afresh for every bucket
+        # of every micro-batch would touch new memory each time (on the host, a page fault per 4 KiB), a cost
+        # that grows with the model. At most as many as can be live at once are kept (the bucket filling and
+        # those in flight), from step to step: every backward holds them anyway, and with the optimizer's state
+        # and the shard gradient (what the step holds) a backward's peak is the higher one
         self._pool: list[Tensor] = []
+        self._spare: Tensor | None = None  # the last window's shard gradient, the next one's storage
         self._pool_size = queue.max_in_flight + 1
         self._bases: dict[int, Tensor] = {}  # id(bucket) -> the pooled buffer its ``buffer`` is the start of
         self._receive: list[Tensor] = []  # gloo's receive buffers, likewise (``reduce_to_owners``'s pool)
@@ -111,7 +115,7 @@ class BucketGradients(GroupGradients):
             bucket.written.add(index)
         p.grad = None
 
-    def _zero_unwritten(self, bucket: Bucket) -> None:
+    def _zero_unwritten_of_bucket(self, bucket: Bucket) -> None:
         """Zeros where no gradient was handed off: members without one on this rank, any gap between members,
         and the padding."""
         assert bucket.buffer is not None
@@ -133,7 +137,7 @@ class BucketGradients(GroupGradients):
         if bucket.buffer is None:  # nothing arrived on this rank: it still takes part with zeros
             self._new_buffer(bucket).zero_()
         else:
-            self._zero_unwritten(bucket)
+            self._zero_unwritten_of_bucket(bucket)
         flat, lo0, pooled = bucket.buffer, bucket.lo, self._bases.pop(id(bucket))
         parts = [(owner, lo - lo0, hi - lo0) for owner, lo, hi in bucket.owners]
         pending = reduce_to_owners(flat, parts, self.group, pool=self._receive)
@@ -173,7 +177,7 @@ class BucketGradients(GroupGradients):
         """The shard gradient to read: zeros where no reduction wrote yet (none in the window, or a bucket
         not reduced yet when the noise scale reads the gradient so far)."""
         if self.shard_grad is None:
-            self.shard_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.shard_grad = self._storage().zero_()
             self._shard_written = {id(bucket) for bucket in self.buckets}
         base = self.rank * self.shard_numel
         for bucket in self.buckets:
@@ -188,7 +192,7 @@ class BucketGradients(GroupGradients):
         """The shard gradient as the replicas' sum, to add a reduction to: a window reduced before its step
         (manual optimization clipped, then ran another backward) turns back into a sum first."""
         if self.shard_grad is None:  # the window's first reduction: each bucket's first one writes its part
-            self.shard_grad = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+            self.shard_grad = self._storage()
             self._shard_written = set()
         grad = self.shard_grad
         if self.averaged:
@@ -196,10 +200,13 @@ class BucketGradients(GroupGradients):
             self.averaged = False
         return grad
 
+    def _storage(self) -> Tensor:
+        """Storage for a window's shard gradient, not zeroed: the last window's (stepped and let go) when kept."""
+        spare, self._spare = self._spare, None
+        return spare if spare is not None else torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+
     def reduce(self, shard: nn.Parameter) -> None:
         # every bucket was reduced at the window's backward boundaries (the queue's owner made sure)
-        self._pool.clear()
-        self._receive.clear()
         grad = self._shard_grad()
         if not self.averaged:
             grad.div_(self.world)  # in place
@@ -208,8 +215,8 @@ class BucketGradients(GroupGradients):
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
-        # freed, not zeroed: the next window allocates it at its first reduction, after the forward
-        self.shard_grad, self.averaged = None, False
+        # let go, not zeroed: the next window's first reductions overwrite it (``_shard_written``)
+        self._spare, self.shard_grad, self.averaged = self.shard_grad, None, False
         super().after_step(shard)
 
     def local_gradients(self) -> list[Tensor]:
@@ -219,10 +226,10 @@ class BucketGradients(GroupGradients):
     def clear(self) -> None:
         # what was already reduced lives in the shard gradients of every rank (each its own slice): discarded
         # on every rank alike, since zero_grad is called on every rank
+        if self.shard_grad is not None:
+            self._spare = self.shard_grad
         self.shard_grad, self.averaged = None, False
         for bucket in self.buckets:
             bucket.buffer, bucket.arrived, bucket.written = None, set(), set()
-        self._pool.clear()
-        self._receive.clear()
         self._bases.clear()
         super().clear()

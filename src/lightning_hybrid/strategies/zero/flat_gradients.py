@@ -1,13 +1,14 @@
 """ZeRO-1/2 gradients: where they live and how they reach each rank's shard, without full copies.
 
 - ZeRO-1 (:class:`FlatGradients`): one persistent flat gradient buffer per flat group; a parameter's
-  first gradient of the window is added into its part of it and ``.grad`` becomes that view (as DDP's
+  first gradient of the window is copied into its part of it and ``.grad`` becomes that view (as DDP's
   ``gradient_as_bucket_view``), so the window's later micro-batches accumulate in place; the window's last
-  backward reduces it bucket by bucket to the ranks whose shards each covers (a reduce-scatter).
+  backward reduces it bucket by bucket to the ranks whose shards each covers (a reduce-scatter). The buffer
+  is not zeroed per step: what no gradient was written to in the window is zeroed as its bucket is reduced.
 - ZeRO-2, ``reduce_gradients="every_microbatch"`` (``bucket_gradients.BucketGradients``, DeepSpeed's choice): each
   parameter's gradient is handed off into its bucket as soon as backward accumulated it; buckets are
-  reduced to the ranks whose shards they cover and freed, so a rank never holds more of the full gradient
-  than the buckets still waiting.
+  reduced to the ranks whose shards they cover and their buffers reused, so a rank never holds more of the
+  full gradient than the buckets still waiting.
 - ZeRO-2, ``reduce_gradients="once_per_step"`` (:class:`WindowGradients`): the full gradient accumulates
   in a flat buffer allocated by the window's first gradient, is reduced slice by slice to the slices'
   owners once when the window closes, and freed.
@@ -66,17 +67,15 @@ class FlatGradients(GroupGradients):
         world = dist.get_world_size(kwargs["group"])
         self.buckets = bucket_ranges(args[0], args[1], args[2], bucket_numel, shard_numel=args[2] // world)
         self._bucket_of = [b for b, bucket in enumerate(self.buckets) for _ in bucket.members]
-        self._dirty = False  # the buffer holds something since it was last zeroed
-        self._receive: list[Tensor] = []  # gloo's receive buffers of this backward's reductions, reused
+        self._receive: list[Tensor] = []  # gloo's receive buffers of the reductions, reused from step to step
         super().__init__(*args, **kwargs)
         queue.add(self, self.buckets)
 
     def _buffer(self) -> Tensor:
-        self._dirty = True
         return self.flat
 
     def _hook(self, index: int, param: nn.Parameter) -> None:
-        # one hook, after autograd accumulated: the window's first gradient (autograd's own tensor) is added
+        # one hook, after autograd accumulated: the window's first gradient (autograd's own tensor) is copied
         # into the buffer and .grad becomes its view, so the window's later micro-batches accumulate in place
         param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
 
@@ -107,6 +106,7 @@ class FlatGradients(GroupGradients):
         self._reopen()
         for i in bucket.members:  # a gradient that is not a view of the buffer (a schedule's own) goes in first
             self._take(i, self._buffer())
+        self._zero_unwritten(self.flat, bucket.members, bucket.lo, bucket.hi)
         pending = reduce_to_owners(self.flat, bucket.owners, self.group, pool=self._receive)
         bucket.arrived, bucket.started = set(), True
 
@@ -138,6 +138,7 @@ class FlatGradients(GroupGradients):
         self._reopen()
         self._take_all(self._buffer())
         if not all(bucket.started for bucket in self.buckets):  # not reduced during backward
+            self._zero_all_unwritten(self.flat)
             s = self.shard_numel
             reduce_to_owners(self.flat, [(r, r * s, (r + 1) * s) for r in range(self.world)], self.group).wait()
             self.flat[self._shard_slice()].div_(self.world)
@@ -150,23 +151,10 @@ class FlatGradients(GroupGradients):
         self._reduced = True
 
     @torch.no_grad()
-    def after_step(self, shard: nn.Parameter) -> None:
-        self._zero()
-        self._receive.clear()
-        super().after_step(shard)
-
-    @torch.no_grad()
     def clear(self) -> None:
-        self._zero()
-        self._receive.clear()
         for bucket in self.buckets:
             bucket.arrived, bucket.started = set(), False
         super().clear()
-
-    def _zero(self) -> None:
-        if self._dirty:  # zeroed at the step's end, and Lightning's zero_grad follows: once is enough
-            self.flat.zero_()
-            self._dirty = False
 
 
 class WindowGradients(GroupGradients):
@@ -194,9 +182,10 @@ class WindowGradients(GroupGradients):
         flat = self._buffer()
         p = self.params[index]
         self._take(index, flat)
-        if p.grad is None:
+        if p.grad is None:  # the window's fresh (zeroed) buffer: backward accumulates into the view
             p.grad = self.segment(flat, index).view_as(p)
             self.linked.add(index)
+            self._written.add(index)
         self.used[index] = True
         return grad
 

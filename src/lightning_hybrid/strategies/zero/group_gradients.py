@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,10 @@ class GroupGradients(ABC):
         # the replicas' mean is in the buffer when backward ends, before user code reads .grad
         self.full = self.holds_whole and self.user.reads_after_backward
         self.used = [False] * len(params)  # this rank produced a gradient for it in this window
+        # the segments of a persistent buffer that hold this window's gradient: the window's first gradient is
+        # copied in, not added to zeros, and the rest is zeroed just before a reduction reads it (the buffer is
+        # never zeroed whole per step: on the host a memset of the model's gradient bytes)
+        self._written: set[int] = set()
         self.linked: set[int] = set()  # parameters whose .grad the pack made a view of the buffer
         self.released = False  # the pack took the model's .grad away at the step's start (shard kept)
         self._reduced = False  # reduced, not stepped yet: this rank's shard holds the mean, the rest is stale
@@ -214,6 +219,7 @@ class GroupGradients(ABC):
         flat[own].mul_(self.world)
         flat[: own.start].zero_()
         flat[own.stop :].zero_()
+        self._written = set(range(len(self.params)))  # all of it is the window's now (sums and zeros)
 
     def _placeholder(self, index: int) -> GradientElsewhere:
         if index not in self._elsewhere:
@@ -251,6 +257,7 @@ class GroupGradients(ABC):
         self.released = self._reduced = self.closed = False
         self.late = None
         self.used = [False] * len(self.params)
+        self._written = set()
 
     @abstractmethod
     def _buffer(self) -> Tensor:
@@ -270,20 +277,40 @@ class GroupGradients(ABC):
         if not is_gradient(grad):
             if grad is None and index in self.linked:  # dropped by user code: as in one process
                 segment.zero_()
+                self._written.add(index)
                 self.linked.discard(index)
                 self.used[index] = False
             elif grad is not None:
                 p.grad = None
             return
-        if grad.data_ptr() == segment.data_ptr():
+        if grad.data_ptr() == segment.data_ptr():  # backward accumulated into the view: the segment is this window's
             self.linked.add(index)
+            self._written.add(index)
             return
-        if index in self.linked:
+        if index in self.linked or index not in self._written:  # replaced, or the window's first
             segment.copy_(grad.reshape(-1))
         else:
             segment.add_(grad.reshape(-1))
         p.grad = segment.view_as(p)
         self.linked.add(index)
+        self._written.add(index)
+
+    @torch.no_grad()
+    def _zero_unwritten(self, flat: Tensor, members: Iterable[int], lo: int, hi: int) -> None:
+        """Zeros in ``flat[lo:hi]`` (``members`` in the buffer's order) wherever no gradient of this window was
+        written (an earlier window's is there), and in the gaps and padding, before a reduction reads it."""
+        end = lo
+        for i in members:
+            begin = self.offsets[i]
+            flat[end:begin].zero_()
+            end = begin + self.params[i].numel()
+            if i not in self._written:
+                flat[begin:end].zero_()
+                self._written.add(i)
+        flat[end:hi].zero_()
+
+    def _zero_all_unwritten(self, flat: Tensor) -> None:
+        self._zero_unwritten(flat, sorted(range(len(self.params)), key=self.offsets.__getitem__), 0, self.padded)
 
     def _take_all(self, flat: Tensor) -> None:
         for i in range(len(self.params)):
@@ -306,6 +333,7 @@ class GroupGradients(ABC):
     def _reduce_full(self, shard: nn.Parameter, flat: Tensor) -> None:
         """Full: the whole buffer all-reduced to the replicas' mean (what DDP moves); this rank's shard steps."""
         self._take_all(flat)
+        self._zero_all_unwritten(flat)
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.world)
         shard.grad = flat[self._shard_slice()]
