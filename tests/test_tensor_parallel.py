@@ -252,6 +252,27 @@ def test_an_uneven_sequence_under_sequence_parallelism_is_refused_on_every_rank(
     assert all(want in e for e in errors), errors
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_one_replicas_uneven_sequence_is_refused_on_every_rank_of_every_replica(tmp_path, zero_stage):
+    """dp2 x tp2: one replica's third batch is a position shorter (per-batch padding makes replicas' lengths
+    differ). That replica alone would stop, and the other would wait for it in the gradient reductions (ZeRO-1)
+    or in the next parameter all-gather of the same forward (ZeRO-3). The first scatter point's check agrees
+    over the replicas: all four ranks raise one message, at that step, before any collective could hang."""
+    model = {**BASE["model"], "sequence_parallel": True, "block_size": 16}
+    kwargs = {"tensor_parallel_size": 2, "zero_stage": zero_stage}
+    data = {**BASE["data"], "shorter": {"replica": 1, "batch": 2}}
+    cfg = {
+        **BASE, "model": model, "data": data, "steps": 4, "devices": 4,
+        "strategy": {"name": "hybrid_class", "kwargs": kwargs}, "out": str(tmp_path / "job"),
+    }  # fmt: skip
+    job = launch("train_gpt.py", cfg, nproc=4, timeout=240, expect_success=False)
+    errors = [job.rank(r).get("error", "") for r in range(4)]
+    want = "layers.0.dropout scatters dimension 1 of its input (size 15 on a data-parallel replica) over"
+    assert all(want in e for e in errors) and len(set(errors)) == 1, errors
+
+
 def test_the_sequence_check_hooks_what_the_plan_splits_and_checks_the_scattered_dimension():
     from torch import nn
     from torch.distributed.tensor import Replicate, Shard
@@ -369,6 +390,39 @@ def test_the_block_check_puts_back_what_the_block_counts_and_skips_a_block_that_
         assert check.checked == ["counting"]
         assert "drawing could not be run whole" in caplog.text and "draws random numbers" in caplog.text
         assert [float(b.seen) for b in blocks.values()] == [1.0] * 3 and all(b.training for b in blocks.values())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_sequence_verdict_is_agreed_once_per_armed_step_and_at_the_end_when_no_check_ran(tmp_path):
+    """In one process (a one-rank gloo group as the replicas' group): armed, the first check agrees and names
+    the replicas; the checks after it in the step only check; a step in which no armed check ran agrees at its
+    end (``settle``), with this rank's own failure if it had one; unarmed, a check raises alone."""
+    import torch.distributed as dist
+
+    from lightning_hybrid.strategies.tensor.plan import SequenceCheck, UnevenSequence
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        group, check = dist.group.WORLD, SequenceCheck()
+        check.verdict("attn", 1, 16, 2)  # unarmed, even: nothing
+        with pytest.raises(UnevenSequence, match=r"attn scatters dimension 1 of its input \(size 15\) over"):
+            check.verdict("attn", 1, 15, 2)
+        check.arm(group)
+        check.verdict("attn", 1, 16, 2)  # agreed: fine
+        assert not check.armed
+        check.settle(None, 2)  # the step's agreement happened: nothing more
+        check.arm(group)
+        with pytest.raises(UnevenSequence, match=r"\(size 15 on a data-parallel replica\) over tensor_parallel"):
+            check.verdict("attn", 1, 15, 2)
+        check.arm(group)
+        check.settle(None, 2)  # no check ran in the step (a training_step without a forward): agreed, fine
+        assert not check.armed
+        check.arm(group)
+        with pytest.raises(UnevenSequence, match=r"a sequence-parallel module scatters the sequence of its input"):
+            check.settle(UnevenSequence("compiled code's own check", 13), 2)
+        check.arm(None)  # one replica: nothing to agree
+        assert not check.armed
     finally:
         dist.destroy_process_group()
 

@@ -60,9 +60,10 @@ class Matrix:
             launches += 1
             cfg = {"layout": layout, "strategy": strategy, "shapes": remaining, "resume": resume,
                    "checkpoints": str(out / "runs"), "out": str(out / f"reports-{launches}")}  # fmt: skip
-            job = launch(
-                "../conformance/worker.py", cfg, nproc=nproc, timeout=900, expect_success=False, env=self.env or None
-            )
+            # one launch trains every remaining shape: a four-process layout on two cores (dp2 x tp2) needs more
+            # than 900 s for its 42 shapes, and a timeout ends the whole run
+            limit, script = (900 if nproc <= 2 else 2700), "../conformance/worker.py"
+            job = launch(script, cfg, nproc=nproc, timeout=limit, expect_success=False, env=self.env)
             for report in job.reports:
                 results[report["rank"]].update(report["results"])
             # a cell any rank decided is decided: a rank that ended without a word on it failed there

@@ -66,10 +66,20 @@ class ExactDataModule(CharDataModule):
     """CharDataModule whose loaders split each global batch over the data-parallel ranks in a fixed order."""
 
     def __init__(
-        self, *, global_batch: int = 8, seed: int = 0, skip: int = 0, augment: str | None = None, **kwargs: Any
+        self,
+        *,
+        global_batch: int = 8,
+        seed: int = 0,
+        skip: int = 0,
+        augment: str | None = None,
+        shorter: dict[str, int] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.global_batch, self.seed, self.skip, self.augment = global_batch, seed, skip, augment
+        # {"replica": r, "batch": b}: that data-parallel replica's b-th training batch is one position shorter
+        # (as per-batch padding makes sequence lengths differ between replicas)
+        self.shorter = shorter
 
     def _dp(self) -> tuple[int, int]:
         kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -82,6 +92,7 @@ class ExactDataModule(CharDataModule):
             data,
             batch_sampler=GlobalBatchSampler(len(self.train_set), self.global_batch, rank, size, self.seed, self.skip),
             num_workers=1 if self.augment == "in_workers" else 0,
+            collate_fn=_Shorter(self.shorter["batch"]) if self.shorter and self.shorter["replica"] == rank else None,
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -90,6 +101,18 @@ class ExactDataModule(CharDataModule):
             self.val_set,
             batch_sampler=GlobalBatchSampler(len(self.val_set), self.global_batch, rank, size, self.seed),
         )
+
+
+class _Shorter:
+    """Collates as usual, the ``at``-th batch one position shorter."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def __call__(self, samples: list[Any]) -> Any:
+        x, y = torch.utils.data.default_collate(samples)
+        self.seen += 1
+        return (x[:, :-1], y[:, :-1]) if self.seen - 1 == self.at else (x, y)
 
 
 def build_model(cfg: dict[str, Any]) -> GPT:

@@ -33,7 +33,7 @@ from lightning_hybrid.strategies.pipeline.split import describe_stages, split_mo
 from lightning_hybrid.strategies.pipeline.tied import TiedGradients, check_ties
 from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import tensor_slice, whole_on_every_rank
-from lightning_hybrid.strategies.tensor.plan import plan_blocks
+from lightning_hybrid.strategies.tensor.plan import SequenceCheck, plan_blocks
 from lightning_hybrid.strategies.zero.buffers import make_replicas_identical
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import (
@@ -63,6 +63,7 @@ class Prepared:
     pretrained_bytes_read: int
     counted: CountedLoss | None  # the loss is a mean over pipeline_loss_count elements
     plan_check: PlanCheck | None = None  # tensor parallelism: each kind of split block against itself whole
+    sequences: SequenceCheck | None = None  # ... and the sequence lengths sequence parallelism scatters
 
 
 def prepare_module(
@@ -200,4 +201,6 @@ def prepare_module(
         deferred = SCHEDULES[layout.schedule].splits_weight_grad
         sync.watch_pipeline(stages, weight_gradients_deferred=deferred, inferring=lambda: runner.inferring)
     check = tensor_plans.check if tensor_plans is not None else None
-    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted, check)
+    # a pipeline's stages are not agreed (see SequenceCheck)
+    sequences = tensor_plans.sequences if tensor_plans is not None and runner is None else None
+    return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted, check, sequences)

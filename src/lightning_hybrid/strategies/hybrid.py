@@ -58,6 +58,7 @@ from lightning_hybrid.strategies.pipeline.runner import PipelineRunner
 from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import same_random_streams, whole_on_every_rank
 from lightning_hybrid.strategies.tensor.peers import WholeOnPeers
+from lightning_hybrid.strategies.tensor.plan import SequenceCheck
 from lightning_hybrid.strategies.zero.buffers import ReplicaBuffers
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.grad_sync import GradientSync, named_parameters
@@ -174,6 +175,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         self._prepared_module: Union[nn.Module, None] = None
         self._whole_on_peers: Union[WholeOnPeers, None] = None  # tensor parallelism: checked after first steps
         self._plan_check: Union[PlanCheck, None] = None  # ... with each kind of split block against itself whole
+        self._sequences: Union[SequenceCheck, None] = None  # ... and the lengths sequence parallelism scatters
 
     @classmethod
     @override
@@ -347,7 +349,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         )
         self.model = prepared.module
         self._runner, self._sync = prepared.runner, prepared.sync
-        self._counted, self._plan_check = prepared.counted, prepared.plan_check
+        self._counted, self._plan_check, self._sequences = prepared.counted, prepared.plan_check, prepared.sequences
         self._buffers = ReplicaBuffers(prepared.module, self.data_parallel_group)
         self._checkpoint_names = prepared.checkpoint_names
         self._pretrained_bytes_read = prepared.pretrained_bytes_read

@@ -8,7 +8,8 @@ closes it. Validation, test and predict run the schedule's forward on every stag
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Union
 
 import lightning.pytorch as pl
@@ -27,6 +28,7 @@ from lightning_hybrid.strategies._state import (
 )
 from lightning_hybrid.strategies.pipeline.counted_loss import weighted
 from lightning_hybrid.strategies.tensor.local import loss_context, plain_loss
+from lightning_hybrid.strategies.tensor.plan import UnevenSequence
 
 
 class HybridStep:
@@ -36,7 +38,7 @@ class HybridStep:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
             self._settle_skips()  # a previous micro-batch's agreement that no backward settled
-            with loss_context(self.layout.tensor_parallel_size):
+            with loss_context(self.layout.tensor_parallel_size), self._sequences_agreed():
                 output = plain_loss(super().training_step(*args, **kwargs))
             self._agree_on_skips(output)
             return output if self._counted is None else self._weigh_by_count(output, args[0])
@@ -59,6 +61,22 @@ class HybridStep:
             self._counted.window += self._runner.last_count  # over every replica already
         module.log("train_loss", loss, prog_bar=True, sync_dist=False)
         return loss
+
+    @contextmanager
+    def _sequences_agreed(self) -> Iterator[None]:
+        """Sequence parallelism at dp>1: the step's first sequence-length check agrees over the replicas (see
+        ``SequenceCheck``); a step in which none did agrees at its end."""
+        check, size = self._sequences, self.layout.tensor_parallel_size
+        if check is None:
+            yield
+            return
+        check.arm(self._flag_group)
+        try:
+            yield
+        except UnevenSequence as problem:
+            check.settle(problem, size)
+            raise
+        check.settle(None, size)
 
     def _agree_on_skips(self, output: Any) -> None:
         """A training_step that returned no loss (Lightning skips its backward) on some replicas only: the others'

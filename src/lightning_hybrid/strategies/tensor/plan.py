@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
@@ -35,7 +37,7 @@ from lightning_hybrid.strategies._params import attributes_kept
 from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import localize
 
-__all__ = ["TensorPlans", "plan_blocks"]
+__all__ = ["SequenceCheck", "TensorPlans", "UnevenSequence", "plan_blocks"]
 
 Plan = dict[str, ParallelStyle]
 _SPLIT = "lightning_hybrid_tensor_parallel"  # set on a block once its plan is applied
@@ -64,6 +66,7 @@ class TensorPlans:
     def __init__(self, module: nn.Module, size: int) -> None:
         self.size = size
         self.check = PlanCheck()  # each kind of split block against itself whole, after the first step
+        self.sequences = SequenceCheck()  # where sequence parallelism scatters, the length divides: agreed
         self.plans: dict[str, Plan] = {}
         self.splits: dict[str, int | None] = {}  # parameter name -> the dimension its style splits
         kind = type(module).__name__
@@ -172,18 +175,20 @@ class TensorPlans:
             if plan:
                 parallelize_module(block, mesh, plan)
         for key, style in (self.plans.get(name) or {}).items():
-            _check_scattered_sequence(block, key, style, name, self.size)
+            _check_scattered_sequence(block, key, style, name, self.size, self.sequences)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)
 
 
-def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, block_name: str, size: int) -> None:
+def _check_scattered_sequence(
+    block: nn.Module, key: str, style: ParallelStyle, block_name: str, size: int, check: SequenceCheck | None = None
+) -> None:
     """Where a style splits a whole input along a dimension (sequence parallelism scatters the sequence: a
     row-wise style with a sharded output, an input prepared from whole to sharded), that dimension must divide
     by the tensor-parallel size: torch's styles assume equal shards, and an uneven sequence failed inside a
     collective on one rank, the others' connections reset. Checked on each forward, before the style's hooks,
-    on the first positional input."""
+    on the first positional input (agreed over the data-parallel replicas by ``check``)."""
     dim, of_input = None, False
     if isinstance(style, RowwiseParallel):  # the output scattered: a leading dimension the input shares
         dims = [layout.dim for layout in style.output_layouts if isinstance(layout, Shard) and layout.dim >= 0]
@@ -198,25 +203,84 @@ def _check_scattered_sequence(block: nn.Module, key: str, style: ParallelStyle, 
         name = f"{block_name}.{sub_name}".strip(".")
         # an embedding's input has no feature dimension; a linear layer's last one is the features
         shared = of_input or isinstance(sub, nn.Embedding)
-        sub.register_forward_pre_hook(_Divisible(dim, size, name, shared), prepend=True)
+        sub.register_forward_pre_hook(_Divisible(dim, size, name, shared, check or SequenceCheck()), prepend=True)
+
+
+class UnevenSequence(ValueError):
+    """A sequence the tensor-parallel size does not divide reached a scatter point."""
+
+    def __init__(self, message: str, length: int) -> None:
+        super().__init__(message)
+        self.length = length
+
+
+class SequenceCheck:
+    """The verdict of the sequence-length checks (:class:`_Divisible`), agreed over the data-parallel replicas.
+
+    Each replica reads its own batch: one whose sequence the tensor-parallel size does not divide would stop
+    alone, and the others would wait for it in the step's collectives (the gradient reductions; under ZeRO-3
+    the parameters' all-gathers of the same forward). So the strategy arms this before each training step
+    (:meth:`arm`, with a gloo group of the data-parallel peers), and the first check that runs in it
+    all-reduces the verdict there, on the host (no device sync), before any rank stops: every rank raises one
+    message, naming the longest offending length. Checks after it in the same step raise locally (a model's
+    scatter points see one sequence length). A step in which no armed check ran (a training_step that ran no
+    forward; compiled code, where the check cannot communicate) agrees in :meth:`settle` instead, so every
+    replica takes part in exactly one agreement per step. Pipeline stages are not armed: a stage that
+    stopped would leave the next one waiting in a receive, which no agreement within a stage reaches."""
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.armed = False
+
+    def arm(self, group: dist.ProcessGroup | None) -> None:
+        """The next check agrees over ``group`` (``None``: one replica, nothing to agree)."""
+        self.group, self.armed = group, group is not None
+
+    def verdict(self, where: str, dim: int, length: int, size: int) -> None:
+        bad = length % size != 0
+        if self.armed and not torch.compiler.is_compiling():
+            worst = self._agree(length if bad else -1)
+            if worst >= 0:
+                raise UnevenSequence(_uneven_message(where, dim, worst, size, replicas=True), worst)
+        elif bad:
+            raise UnevenSequence(_uneven_message(where, dim, length, size, replicas=False), length)
+
+    def settle(self, problem: UnevenSequence | None, size: int) -> None:
+        """The step ended (``problem``: by this rank's own check): agree now if no armed check ran in it."""
+        if not self.armed:
+            return
+        worst = self._agree(problem.length if problem is not None else -1)
+        if worst >= 0:
+            raise UnevenSequence(_uneven_message("a sequence-parallel module", None, worst, size, replicas=True), worst)
+
+    def _agree(self, length: int) -> int:
+        self.armed = False
+        flag = torch.tensor([float(length)], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+
+def _uneven_message(where: str, dim: int | None, length: int, size: int, *, replicas: bool) -> str:
+    return (
+        f"{where} scatters {'the sequence' if dim is None else f'dimension {dim}'} of its input (size {length}"
+        f"{' on a data-parallel replica' if replicas else ''}) over tensor_parallel_size={size} ranks (sequence"
+        f" parallelism), which must divide it: torch's sequence-parallel styles need equal shards. Make the"
+        f" sequence length a multiple of {size} (pad the batch, or choose the block size), or turn sequence"
+        " parallelism off."
+    )
 
 
 class _Divisible:
-    def __init__(self, dim: int, size: int, where: str, any_dim: bool) -> None:
-        self.dim, self.size, self.where, self.any_dim = dim, size, where, any_dim
+    def __init__(self, dim: int, size: int, where: str, any_dim: bool, check: SequenceCheck) -> None:
+        self.dim, self.size, self.where, self.any_dim, self.check = dim, size, where, any_dim, check
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         x = args[0] if args else None  # an input given by keyword is not checked
         if not isinstance(x, Tensor) or not -x.dim() <= self.dim < x.dim():
             return
         dim = self.dim % x.dim()
-        if (self.any_dim or dim < x.dim() - 1) and x.shape[dim] % self.size:
-            raise ValueError(
-                f"{self.where} scatters dimension {dim} of its input (size {x.shape[dim]}) over"
-                f" tensor_parallel_size={self.size} ranks (sequence parallelism), which must divide it: torch's"
-                f" sequence-parallel styles need equal shards. Make the sequence length a multiple of {self.size}"
-                " (pad the batch, or choose the block size), or turn sequence parallelism off."
-            )
+        if self.any_dim or dim < x.dim() - 1:
+            self.check.verdict(self.where, dim, x.shape[dim], self.size)
 
 
 def _refuse_hooked(where: str, module: nn.Module) -> None:
