@@ -99,10 +99,11 @@ MUTATIONS = [
     ),
     Mutation(
         "stale-gradient-kept",
-        "ZeRO-1: the flat gradient buffer is not zeroed after the step: the next window adds to the last one's",
-        "strategies/zero/flat_gradients.py",
-        "            self.flat.zero_()\n",
-        "            pass\n",
+        "ZeRO-1: the step does not forget which segments of the flat buffer this window wrote: the next window's "
+        "first gradients are added to the last one's",
+        "strategies/zero/group_gradients.py",
+        "        self._written = set()\n",
+        "        pass\n",
         ("dp2-zero1",),
         ("param-groups", "scalar-params"),
     ),
