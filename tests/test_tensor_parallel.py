@@ -290,14 +290,15 @@ def test_the_sequence_check_hooks_what_the_plan_splits_and_checks_the_scattered_
         }
     )
     # a key matches one name level per atom, as parallelize_module resolves it: vision.attn.o_proj is not split
-    _check_scattered_sequence(block, "*.o_proj", RowwiseParallel(output_layouts=Shard(1)), "layers.3", 2)
+    assert _check_scattered_sequence(block, "*.o_proj", RowwiseParallel(output_layouts=Shard(1)), "layers.3", 2)
+    assert not _check_scattered_sequence(block, "*.o_proj", RowwiseParallel(), "layers.3", 2)  # nothing scattered
     with pytest.raises(ValueError, match=r"layers\.3\.attn\.o_proj scatters dimension 1 of its input \(size 15\)"):
         block["attn"]["o_proj"](torch.randn(2, 15, 8))
     block["attn"]["o_proj"](torch.randn(2, 16, 8))
     block["vision"]["attn"]["o_proj"](torch.randn(2, 15, 8))
     # an embedding's input is (batch, sequence): its dimension 1 is the output's
     embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    _check_scattered_sequence(block, "tok", embedding, "layers.0", 2)
+    assert _check_scattered_sequence(block, "tok", embedding, "layers.0", 2)
     with pytest.raises(ValueError, match=r"layers\.0\.tok scatters dimension 1 of its input \(size 15\)"):
         block["tok"](torch.randint(10, (2, 15)))
     # a sharded last dimension is the features, not a sequence: a local input of 3 features is not refused
@@ -394,35 +395,106 @@ def test_the_block_check_puts_back_what_the_block_counts_and_skips_a_block_that_
         dist.destroy_process_group()
 
 
-def test_the_sequence_verdict_is_agreed_once_per_armed_step_and_at_the_end_when_no_check_ran(tmp_path):
-    """In one process (a one-rank gloo group as the replicas' group): armed, the first check agrees and names
-    the replicas; the checks after it in the step only check; a step in which no armed check ran agrees at its
-    end (``settle``), with this rank's own failure if it had one; unarmed, a check raises alone."""
+def test_the_sequence_verdict_is_agreed_by_the_same_checks_on_every_replica(tmp_path):
+    """In one process (a one-rank gloo group as the replicas' group), counting the agreements: the fit's first
+    armed step agrees at every check; then, with one length per step, only the first check of a step agrees and
+    the others check locally; a second length seen in a step is told in the next agreement, and from then on
+    every check agrees (as from the start when the first step saw two); a step in which no check agreed agrees
+    at its end (``settle``), with this rank's own failure if it had one; a compiled model's check agrees too;
+    unarmed or disarmed, a check raises alone."""
     import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
 
-    from lightning_hybrid.strategies.tensor.plan import SequenceCheck, UnevenSequence
+    from lightning_hybrid.strategies.tensor.plan import SequenceCheck, UnevenSequence, _check_scattered_sequence
 
+    replicas = r"\(size 15 on a data-parallel replica\) over tensor_parallel"
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        group, check = dist.group.WORLD, SequenceCheck()
+        group = dist.group.WORLD
+
+        def counted() -> tuple[SequenceCheck, list[int]]:
+            check, calls = SequenceCheck(), []
+            agree = check._agree
+            check._agree = lambda length: calls.append(length) or agree(length)  # type: ignore[method-assign]
+            return check, calls
+
+        check, calls = counted()
         check.verdict("attn", 1, 16, 2)  # unarmed, even: nothing
         with pytest.raises(UnevenSequence, match=r"attn scatters dimension 1 of its input \(size 15\) over"):
             check.verdict("attn", 1, 15, 2)
+        assert calls == []
+        check.arm(group)  # the first armed step: every check agrees
+        for _ in range(3):
+            check.verdict("attn", 1, 16, 2)
+        check.settle(None, 2)
+        assert calls == [-1, -1, -1] and not check.every
+        check.arm(group)  # one length: the first check agrees, the others check locally, settle adds nothing
+        for _ in range(3):
+            check.verdict("attn", 1, 16, 2)
+        check.settle(None, 2)
+        assert len(calls) == 4
         check.arm(group)
-        check.verdict("attn", 1, 16, 2)  # agreed: fine
-        assert not check.armed
-        check.settle(None, 2)  # the step's agreement happened: nothing more
-        check.arm(group)
-        with pytest.raises(UnevenSequence, match=r"\(size 15 on a data-parallel replica\) over tensor_parallel"):
+        with pytest.raises(UnevenSequence, match=replicas):
             check.verdict("attn", 1, 15, 2)
+        assert calls[-1] == 15
+        check.settle(UnevenSequence("its own", 15), 2)  # agreed already: no second agreement
+        assert len(calls) == 5
         check.arm(group)
         check.settle(None, 2)  # no check ran in the step (a training_step without a forward): agreed, fine
-        assert not check.armed
+        assert len(calls) == 6 and not check.armed
         check.arm(group)
         with pytest.raises(UnevenSequence, match=r"a sequence-parallel module scatters the sequence of its input"):
-            check.settle(UnevenSequence("compiled code's own check", 13), 2)
-        check.arm(None)  # one replica: nothing to agree
+            check.settle(UnevenSequence("a check that could not agree", 13), 2)
+        # a second length (a decoder's target after an encoder's source): told in the next agreement, after
+        # which every check agrees
+        check.arm(group)
+        check.verdict("encoder", 1, 16, 2)
+        check.verdict("decoder", 1, 8, 2)  # local: the step's agreement was the first check's
+        check.settle(None, 2)
+        assert len(calls) == 8 and not check.every
+        check.arm(group)
+        check.verdict("encoder", 1, 16, 2)  # agrees, and says a second length was seen
+        assert check.every
+        with pytest.raises(UnevenSequence, match=replicas.replace("15", "9")):
+            check.verdict("decoder", 1, 9, 2)
+        assert len(calls) == 10
+        # two lengths in the first armed step: every check agrees from the start
+        check, calls = counted()
+        check.arm(group)
+        check.verdict("encoder", 1, 16, 2)
+        check.verdict("decoder", 1, 8, 2)
+        check.settle(None, 2)
+        assert check.every and len(calls) == 2
+        check.arm(group)
+        check.verdict("encoder", 1, 16, 2)
+        check.verdict("decoder", 1, 8, 2)
+        check.settle(None, 2)
+        assert len(calls) == 4
+        # compiled: the check runs eagerly, so it agrees (and names the replicas) as in eager mode
+        check, calls = counted()
+        scatter = nn.Linear(8, 8)
+        _check_scattered_sequence(
+            nn.ModuleDict({"o": scatter}), "o", RowwiseParallel(output_layouts=Shard(1)), "layers.0", 2, check
+        )
+        compiled = torch.compile(scatter, backend="eager")
+        check.arm(group)
+        compiled(torch.randn(2, 16, 8))
+        check.settle(None, 2)
+        assert calls == [-1]
+        check.arm(group)
+        with pytest.raises(UnevenSequence, match=replicas):
+            compiled(torch.randn(2, 15, 8))
+        assert calls == [-1, 15]
+        # one replica: nothing to agree; an interrupted step: disarmed, later checks are local
+        check.arm(None)
         assert not check.armed
+        check.arm(group)
+        check.disarm()
+        with pytest.raises(UnevenSequence, match=r"\(size 15\) over"):
+            check.verdict("attn", 1, 15, 2)
+        assert len(calls) == 2
     finally:
         dist.destroy_process_group()
 

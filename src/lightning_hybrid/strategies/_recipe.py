@@ -201,6 +201,7 @@ def prepare_module(
         deferred = SCHEDULES[layout.schedule].splits_weight_grad
         sync.watch_pipeline(stages, weight_gradients_deferred=deferred, inferring=lambda: runner.inferring)
     check = tensor_plans.check if tensor_plans is not None else None
-    # a pipeline's stages are not agreed (see SequenceCheck)
-    sequences = tensor_plans.sequences if tensor_plans is not None and runner is None else None
+    # a pipeline's stages are not agreed (see SequenceCheck); without a sequence scattered, nothing to agree on
+    scatters = tensor_plans is not None and tensor_plans.scatters
+    sequences = tensor_plans.sequences if scatters and runner is None else None
     return Prepared(module, runner, sync, CheckpointNames(ties), bytes_read, counted, check, sequences)

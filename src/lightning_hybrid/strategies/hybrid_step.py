@@ -64,8 +64,8 @@ class HybridStep:
 
     @contextmanager
     def _sequences_agreed(self) -> Iterator[None]:
-        """Sequence parallelism at dp>1: the step's first sequence-length check agrees over the replicas (see
-        ``SequenceCheck``); a step in which none did agrees at its end."""
+        """Sequence parallelism at dp>1: the step's sequence-length checks agree over the replicas (which ones:
+        see ``SequenceCheck``); a step in which none did agrees at its end."""
         check, size = self._sequences, self.layout.tensor_parallel_size
         if check is None:
             yield
@@ -75,6 +75,9 @@ class HybridStep:
             yield
         except UnevenSequence as problem:
             check.settle(problem, size)
+            raise
+        except BaseException:
+            check.disarm()
             raise
         check.settle(None, size)
 

@@ -67,6 +67,7 @@ class TensorPlans:
         self.size = size
         self.check = PlanCheck()  # each kind of split block against itself whole, after the first step
         self.sequences = SequenceCheck()  # where sequence parallelism scatters, the length divides: agreed
+        self.scatters = False  # some block of this rank scatters a sequence (a check to agree on)
         self.plans: dict[str, Plan] = {}
         self.splits: dict[str, int | None] = {}  # parameter name -> the dimension its style splits
         kind = type(module).__name__
@@ -175,7 +176,7 @@ class TensorPlans:
             if plan:
                 parallelize_module(block, mesh, plan)
         for key, style in (self.plans.get(name) or {}).items():
-            _check_scattered_sequence(block, key, style, name, self.size, self.sequences)
+            self.scatters |= _check_scattered_sequence(block, key, style, name, self.size, self.sequences)
         if not keep_dtensors:
             localize(block)
         setattr(block, _SPLIT, True)
@@ -183,12 +184,13 @@ class TensorPlans:
 
 def _check_scattered_sequence(
     block: nn.Module, key: str, style: ParallelStyle, block_name: str, size: int, check: SequenceCheck | None = None
-) -> None:
+) -> bool:
     """Where a style splits a whole input along a dimension (sequence parallelism scatters the sequence: a
     row-wise style with a sharded output, an input prepared from whole to sharded), that dimension must divide
     by the tensor-parallel size: torch's styles assume equal shards, and an uneven sequence failed inside a
     collective on one rank, the others' connections reset. Checked on each forward, before the style's hooks,
-    on the first positional input (agreed over the data-parallel replicas by ``check``)."""
+    on the first positional input (agreed over the data-parallel replicas by ``check``). Whether it registered
+    a check."""
     dim, of_input = None, False
     if isinstance(style, RowwiseParallel):  # the output scattered: a leading dimension the input shares
         dims = [layout.dim for layout in style.output_layouts if isinstance(layout, Shard) and layout.dim >= 0]
@@ -198,12 +200,13 @@ def _check_scattered_sequence(
         if isinstance(wanted, Shard) and not isinstance(whole, Shard):
             dim, of_input = wanted.dim, True
     if dim is None:
-        return
+        return False
     for sub_name, sub in _matches(block, key):  # the modules parallelize_module splits for this key
         name = f"{block_name}.{sub_name}".strip(".")
         # an embedding's input has no feature dimension; a linear layer's last one is the features
         shared = of_input or isinstance(sub, nn.Embedding)
         sub.register_forward_pre_hook(_Divisible(dim, size, name, shared, check or SequenceCheck()), prepend=True)
+    return True
 
 
 class UnevenSequence(ValueError):
@@ -219,45 +222,76 @@ class SequenceCheck:
 
     Each replica reads its own batch: one whose sequence the tensor-parallel size does not divide would stop
     alone, and the others would wait for it in the step's collectives (the gradient reductions; under ZeRO-3
-    the parameters' all-gathers of the same forward). So the strategy arms this before each training step
-    (:meth:`arm`, with a gloo group of the data-parallel peers), and the first check that runs in it
-    all-reduces the verdict there, on the host (no device sync), before any rank stops: every rank raises one
-    message, naming the longest offending length. Checks after it in the same step raise locally (a model's
-    scatter points see one sequence length). A step in which no armed check ran (a training_step that ran no
-    forward; compiled code, where the check cannot communicate) agrees in :meth:`settle` instead, so every
-    replica takes part in exactly one agreement per step. Pipeline stages are not armed: a stage that
-    stopped would leave the next one waiting in a receive, which no agreement within a stage reaches."""
+    the parameters' all-gathers of the same forward). So the strategy arms this for each training step
+    (:meth:`arm`, with a gloo group of the data-parallel peers), and a check that runs in it all-reduces the
+    verdict there, on the host (no device sync), before any rank stops: every rank raises one message, naming
+    the longest offending length.
+
+    Which checks agree is the same on every replica. In the fit's first armed step every check does, and each
+    agreement also says whether some replica saw a length other than its step's first (a model whose scatter
+    points see several lengths: a decoder's target beside an encoder's source). If none did, only the first
+    check of each later step agrees (one all-reduce per micro-batch) and the rest check locally, on a length
+    already agreed; a rank that later sees a second length says so in the next agreement, and from the step
+    after it every check agrees, as it does from the start when the first step saw several. A step in which no
+    check agreed (a training_step that ran no forward) agrees in :meth:`settle` instead, so the replicas take
+    part in the same agreements. A compiled model runs the check eagerly (a graph break at each scatter point),
+    so that it can communicate. Pipeline stages are not armed: a stage that stopped would leave the next one
+    waiting in a receive, which no agreement within a stage reaches."""
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
-        self.armed = False
+        self.armed = False  # inside an armed step
+        self.agreed = False  # a check of this step agreed
+        self.every = False  # every check agrees (several lengths seen, or the fit's first armed step)
+        self.learning = True  # the fit's first armed step is still to run
+        self.first: int | None = None  # the step's first length on this rank
+        self.several = False  # this rank saw a second length since the last agreement (told in the next one)
 
     def arm(self, group: dist.ProcessGroup | None) -> None:
-        """The next check agrees over ``group`` (``None``: one replica, nothing to agree)."""
-        self.group, self.armed = group, group is not None
+        """A training step begins; its checks agree over ``group`` (``None``: one replica, nothing to agree)."""
+        self.group, self.armed, self.agreed, self.first = group, group is not None, False, None
 
+    def disarm(self) -> None:
+        """The step ended without :meth:`settle` (another error): later checks are local until the next arm."""
+        self.armed = False
+
+    @torch.compiler.disable  # compiled code runs it eagerly: it all-reduces and raises as in eager mode
     def verdict(self, where: str, dim: int, length: int, size: int) -> None:
         bad = length % size != 0
-        if self.armed and not torch.compiler.is_compiling():
-            worst = self._agree(length if bad else -1)
-            if worst >= 0:
-                raise UnevenSequence(_uneven_message(where, dim, worst, size, replicas=True), worst)
-        elif bad:
+        if self.armed:
+            if self.first is None:
+                self.first = length
+            elif length != self.first:
+                self.several = True
+            if not self.agreed or self.every or self.learning:
+                worst = self._agree(length if bad else -1)
+                if worst >= 0:
+                    raise UnevenSequence(_uneven_message(where, dim, worst, size, replicas=True), worst)
+                return
+        if bad:
             raise UnevenSequence(_uneven_message(where, dim, length, size, replicas=False), length)
 
     def settle(self, problem: UnevenSequence | None, size: int) -> None:
-        """The step ended (``problem``: by this rank's own check): agree now if no armed check ran in it."""
+        """The step ended (``problem``: by this rank's own check): agree now if no check of it agreed."""
         if not self.armed:
+            return
+        self.armed = False
+        if self.agreed:
+            self.learning = False
             return
         worst = self._agree(problem.length if problem is not None else -1)
         if worst >= 0:
             raise UnevenSequence(_uneven_message("a sequence-parallel module", None, worst, size, replicas=True), worst)
 
     def _agree(self, length: int) -> int:
-        self.armed = False
-        flag = torch.tensor([float(length)], dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item())
+        """All-reduce this rank's offending length (-1: none) and whether it saw several lengths: the worst."""
+        flags = torch.tensor([float(length), float(self.several)], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        worst, several = flags.tolist()
+        self.agreed, self.several = True, False
+        if several:
+            self.every = True
+        return int(worst)
 
 
 def _uneven_message(where: str, dim: int | None, length: int, size: int, *, replicas: bool) -> str:
