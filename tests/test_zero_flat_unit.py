@@ -64,11 +64,12 @@ def test_two_micro_batches_accumulate_exactly(one_rank_group, stage, mode):
 
 class _Branchy(nn.Module):
     """``skip`` gets a gradient only from inputs with ``use_skip``; ``never`` gets none. In buckets of 16
-    elements: [body.weight, body.bias, skip.weight] and [skip.bias, never.weight, never.bias]."""
+    elements: [skip.weight, skip.bias, body.weight] and [body.bias, never.weight, never.bias] (a segment
+    without a gradient before one with, and after)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.body, self.skip, self.never = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+        self.skip, self.body, self.never = nn.Linear(4, 3), nn.Linear(4, 3), nn.Linear(4, 3)
 
     def forward(self, x: torch.Tensor, use_skip: bool) -> torch.Tensor:
         return self.body(x).tanh() + (self.skip(x) if use_skip else 0)

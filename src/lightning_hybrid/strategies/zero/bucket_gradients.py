@@ -117,16 +117,17 @@ class BucketGradients(GroupGradients):
 
     def _zero_unwritten_of_bucket(self, bucket: Bucket) -> None:
         """Zeros where no gradient was handed off: members without one on this rank, any gap between members,
-        and the padding."""
+        and the padding: one fill per stretch between written segments."""
         assert bucket.buffer is not None
-        end = 0
+        start = 0  # where the stretch still to be zeroed begins
         for i in bucket.members:  # in the buffer's order
-            begin = self.offsets[i] - bucket.lo
-            bucket.buffer[end:begin].zero_()
-            end = begin + self.params[i].numel()
-            if i not in bucket.written:
-                bucket.buffer[begin:end].zero_()
-        bucket.buffer[end:].zero_()
+            if i in bucket.written:
+                begin = self.offsets[i] - bucket.lo
+                if start < begin:
+                    bucket.buffer[start:begin].zero_()
+                start = max(start, begin + self.params[i].numel())
+        if start < bucket.buffer.numel():
+            bucket.buffer[start:].zero_()
 
     @torch.no_grad()
     def start_reduction(self, bucket: Bucket) -> Finish:
@@ -215,8 +216,11 @@ class BucketGradients(GroupGradients):
 
     @torch.no_grad()
     def after_step(self, shard: nn.Parameter) -> None:
-        # let go, not zeroed: the next window's first reductions overwrite it (``_shard_written``)
-        self._spare, self.shard_grad, self.averaged = self.shard_grad, None, False
+        # let go, not zeroed: the next window's first reductions overwrite it (``_shard_written``); storage parked
+        # by a zero_grad between the reduction and the step (``clear``) stays parked
+        if self.shard_grad is not None:
+            self._spare = self.shard_grad
+        self.shard_grad, self.averaged = None, False
         super().after_step(shard)
 
     def local_gradients(self) -> list[Tensor]:

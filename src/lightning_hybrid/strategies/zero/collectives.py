@@ -86,8 +86,8 @@ def reduce_to_owners(
     native reduce's scratch).
 
     ``pool`` (gloo): receive buffers of earlier reductions, taken from it and put back when this one is done,
-    so that the reductions of a backward do not each touch fresh memory (the caller empties it when the
-    buffers are no longer wanted)."""
+    so that the reductions of a backward do not each touch fresh memory (the caller keeps it from step to
+    step: ZeRO-1/2 do)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world == 1:
         return Pending([])

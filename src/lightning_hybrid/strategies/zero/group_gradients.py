@@ -298,16 +298,19 @@ class GroupGradients(ABC):
     @torch.no_grad()
     def _zero_unwritten(self, flat: Tensor, members: Iterable[int], lo: int, hi: int) -> None:
         """Zeros in ``flat[lo:hi]`` (``members`` in the buffer's order) wherever no gradient of this window was
-        written (an earlier window's is there), and in the gaps and padding, before a reduction reads it."""
-        end = lo
+        written (an earlier window's is there), and in the gaps and padding, before a reduction reads it: one
+        fill per stretch between written segments (a frozen backbone's parameters are one fill, not one each)."""
+        start = lo  # where the stretch still to be zeroed begins
         for i in members:
             begin = self.offsets[i]
-            flat[end:begin].zero_()
-            end = begin + self.params[i].numel()
-            if i not in self._written:
-                flat[begin:end].zero_()
+            if i in self._written:
+                if start < begin:
+                    flat[start:begin].zero_()
+                start = max(start, begin + self.params[i].numel())
+            else:
                 self._written.add(i)
-        flat[end:hi].zero_()
+        if start < hi:
+            flat[start:hi].zero_()
 
     def _zero_all_unwritten(self, flat: Tensor) -> None:
         self._zero_unwritten(flat, sorted(range(len(self.params)), key=self.offsets.__getitem__), 0, self.padded)
