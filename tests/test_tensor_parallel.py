@@ -395,13 +395,13 @@ def test_the_block_check_puts_back_what_the_block_counts_and_skips_a_block_that_
         dist.destroy_process_group()
 
 
-def test_the_sequence_verdict_is_agreed_by_the_same_checks_on_every_replica(tmp_path):
-    """In one process (a one-rank gloo group as the replicas' group), counting the agreements: the fit's first
-    armed step agrees at every check; then, with one length per step, only the first check of a step agrees and
-    the others check locally; a second length seen in a step is told in the next agreement, and from then on
-    every check agrees (as from the start when the first step saw two); a step in which no check agreed agrees
-    at its end (``settle``), with this rank's own failure if it had one; a compiled model's check agrees too;
-    unarmed or disarmed, a check raises alone."""
+def test_the_sequence_verdict_is_agreed_once_per_armed_step_and_a_second_length_is_refused(tmp_path):
+    """In one process (a one-rank gloo group as the replicas' group), counting the agreements: exactly one per
+    armed step, whatever ran in it (the first check agrees and names the replicas; the checks after it only
+    check; a step in which no check ran agrees at its end, with this rank's own failure if it had one); a
+    second length seen in a step (a decoder's target beside an encoder's source) is told in the next
+    agreement, which refuses the model; evaluation's lengths are not a second length; a compiled model's
+    check agrees too; unarmed or disarmed, a check raises alone."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.tensor import Shard
@@ -417,7 +417,7 @@ def test_the_sequence_verdict_is_agreed_by_the_same_checks_on_every_replica(tmp_
         def counted() -> tuple[SequenceCheck, list[int]]:
             check, calls = SequenceCheck(), []
             agree = check._agree
-            check._agree = lambda length: calls.append(length) or agree(length)  # type: ignore[method-assign]
+            check._agree = lambda length, size: calls.append(length) or agree(length, size)  # type: ignore
             return check, calls
 
         check, calls = counted()
@@ -425,53 +425,33 @@ def test_the_sequence_verdict_is_agreed_by_the_same_checks_on_every_replica(tmp_
         with pytest.raises(UnevenSequence, match=r"attn scatters dimension 1 of its input \(size 15\) over"):
             check.verdict("attn", 1, 15, 2)
         assert calls == []
-        check.arm(group)  # the first armed step: every check agrees
-        for _ in range(3):
-            check.verdict("attn", 1, 16, 2)
-        check.settle(None, 2)
-        assert calls == [-1, -1, -1] and not check.every
-        check.arm(group)  # one length: the first check agrees, the others check locally, settle adds nothing
-        for _ in range(3):
-            check.verdict("attn", 1, 16, 2)
-        check.settle(None, 2)
-        assert len(calls) == 4
+        for _ in range(2):  # the first check agrees, the others check locally, settle adds nothing
+            check.arm(group)
+            for _ in range(3):
+                check.verdict("attn", 1, 16, 2)
+            check.settle(None, 2)
+        assert calls == [-1, -1]
+        check.verdict("attn", 1, 12, 2)  # evaluation (not armed): its own length, no second one
         check.arm(group)
         with pytest.raises(UnevenSequence, match=replicas):
             check.verdict("attn", 1, 15, 2)
-        assert calls[-1] == 15
         check.settle(UnevenSequence("its own", 15), 2)  # agreed already: no second agreement
-        assert len(calls) == 5
+        assert calls == [-1, -1, 15]
         check.arm(group)
         check.settle(None, 2)  # no check ran in the step (a training_step without a forward): agreed, fine
-        assert len(calls) == 6 and not check.armed
+        assert calls == [-1, -1, 15, -1] and not check.armed
         check.arm(group)
         with pytest.raises(UnevenSequence, match=r"a sequence-parallel module scatters the sequence of its input"):
             check.settle(UnevenSequence("a check that could not agree", 13), 2)
-        # a second length (a decoder's target after an encoder's source): told in the next agreement, after
-        # which every check agrees
-        check.arm(group)
-        check.verdict("encoder", 1, 16, 2)
-        check.verdict("decoder", 1, 8, 2)  # local: the step's agreement was the first check's
-        check.settle(None, 2)
-        assert len(calls) == 8 and not check.every
-        check.arm(group)
-        check.verdict("encoder", 1, 16, 2)  # agrees, and says a second length was seen
-        assert check.every
-        with pytest.raises(UnevenSequence, match=replicas.replace("15", "9")):
-            check.verdict("decoder", 1, 9, 2)
-        assert len(calls) == 10
-        # two lengths in the first armed step: every check agrees from the start
-        check, calls = counted()
+        # a second length in a step: checked locally there, refused on every rank at the next agreement
         check.arm(group)
         check.verdict("encoder", 1, 16, 2)
         check.verdict("decoder", 1, 8, 2)
         check.settle(None, 2)
-        assert check.every and len(calls) == 2
+        assert len(calls) == 6
         check.arm(group)
-        check.verdict("encoder", 1, 16, 2)
-        check.verdict("decoder", 1, 8, 2)
-        check.settle(None, 2)
-        assert len(calls) == 4
+        with pytest.raises(UnevenSequence, match=r"scatter points see several lengths in one forward: one replica"):
+            check.verdict("encoder", 1, 16, 2)
         # compiled: the check runs eagerly, so it agrees (and names the replicas) as in eager mode
         check, calls = counted()
         scatter = nn.Linear(8, 8)
@@ -481,12 +461,16 @@ def test_the_sequence_verdict_is_agreed_by_the_same_checks_on_every_replica(tmp_
         compiled = torch.compile(scatter, backend="eager")
         check.arm(group)
         compiled(torch.randn(2, 16, 8))
+        compiled(torch.randn(2, 16, 8))
         check.settle(None, 2)
         assert calls == [-1]
         check.arm(group)
         with pytest.raises(UnevenSequence, match=replicas):
             compiled(torch.randn(2, 15, 8))
         assert calls == [-1, 15]
+        check.settle(UnevenSequence("its own", 15), 2)  # as the strategy ends the step: agreed already
+        # outside a training step (one replica, evaluation) the compiled check is traced: fullgraph compiles
+        torch.compile(nn.Sequential(scatter), backend="eager", fullgraph=True)(torch.randn(2, 16, 8))
         # one replica: nothing to agree; an interrupted step: disarmed, later checks are local
         check.arm(None)
         assert not check.armed

@@ -14,6 +14,7 @@ materialised and before ZeRO shards them (the order torchtitan uses).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
@@ -38,6 +39,8 @@ from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import localize
 
 __all__ = ["SequenceCheck", "TensorPlans", "UnevenSequence", "plan_blocks"]
+
+log = logging.getLogger(__name__)
 
 Plan = dict[str, ParallelStyle]
 _SPLIT = "lightning_hybrid_tensor_parallel"  # set on a block once its plan is applied
@@ -222,75 +225,86 @@ class SequenceCheck:
 
     Each replica reads its own batch: one whose sequence the tensor-parallel size does not divide would stop
     alone, and the others would wait for it in the step's collectives (the gradient reductions; under ZeRO-3
-    the parameters' all-gathers of the same forward). So the strategy arms this for each training step
-    (:meth:`arm`, with a gloo group of the data-parallel peers), and a check that runs in it all-reduces the
-    verdict there, on the host (no device sync), before any rank stops: every rank raises one message, naming
-    the longest offending length.
+    the parameters' all-gathers of the same forward). So the strategy arms this before each training step
+    (:meth:`arm`, with a gloo group of the data-parallel peers), and the first check that runs in it
+    all-reduces the verdict there, on the host (no device sync), before any rank stops: every rank raises one
+    message, naming the longest offending length. A step in which no check ran (a training_step that ran no
+    forward) agrees in :meth:`settle` instead: every replica takes part in exactly one agreement per step,
+    whatever it ran, so the agreements pair up on every rank.
 
-    Which checks agree is the same on every replica. In the fit's first armed step every check does, and each
-    agreement also says whether some replica saw a length other than its step's first (a model whose scatter
-    points see several lengths: a decoder's target beside an encoder's source). If none did, only the first
-    check of each later step agrees (one all-reduce per micro-batch) and the rest check locally, on a length
-    already agreed; a rank that later sees a second length says so in the next agreement, and from the step
-    after it every check agrees, as it does from the start when the first step saw several. A step in which no
-    check agreed (a training_step that ran no forward) agrees in :meth:`settle` instead, so the replicas take
-    part in the same agreements. A compiled model runs the check eagerly (a graph break at each scatter point),
-    so that it can communicate. Pipeline stages are not armed: a stage that stopped would leave the next one
-    waiting in a receive, which no agreement within a stage reaches."""
+    The checks after the first in a step check locally, on the length the first agreed: a model's scatter
+    points see one sequence length. One whose scatter points see several (a decoder's target beside an
+    encoder's source) would stop one replica alone at an uneven second length; a rank that sees a second
+    length says so in its next agreement, and every rank refuses the model there with one message. A compiled
+    model runs the check eagerly (a graph break at each scatter point), so that it can communicate. Pipeline
+    stages are not armed: a stage that stopped would leave the next one waiting in a receive, which no
+    agreement within a stage reaches."""
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
-        self.armed = False  # inside an armed step
-        self.agreed = False  # a check of this step agreed
-        self.every = False  # every check agrees (several lengths seen, or the fit's first armed step)
-        self.learning = True  # the fit's first armed step is still to run
+        self.stepping = False  # inside an armed training step
+        self.armed = False  # the step's agreement is still to come
         self.first: int | None = None  # the step's first length on this rank
-        self.several = False  # this rank saw a second length since the last agreement (told in the next one)
+        self.several: str | None = None  # where this rank saw a second length (told in its next agreement)
 
     def arm(self, group: dist.ProcessGroup | None) -> None:
-        """A training step begins; its checks agree over ``group`` (``None``: one replica, nothing to agree)."""
-        self.group, self.armed, self.agreed, self.first = group, group is not None, False, None
+        """A training step begins; its first check agrees over ``group`` (``None``: one replica, nothing to
+        agree)."""
+        self.group, self.first = group, None
+        self.stepping = self.armed = group is not None
 
     def disarm(self) -> None:
-        """The step ended without :meth:`settle` (another error): later checks are local until the next arm."""
-        self.armed = False
+        """The step ended by another error: its checks are local until the next :meth:`arm`."""
+        self.stepping = self.armed = False
+
+    def verdict(self, where: str, dim: int, length: int, size: int) -> None:
+        if self.stepping:  # a training step at dp > 1 (evaluation's lengths are its own)
+            self._stepping_verdict(where, dim, length, size)
+        elif length % size != 0:
+            raise UnevenSequence(_uneven_message(where, dim, length, size, replicas=False), length)
 
     @torch.compiler.disable  # compiled code runs it eagerly: it all-reduces and raises as in eager mode
-    def verdict(self, where: str, dim: int, length: int, size: int) -> None:
+    def _stepping_verdict(self, where: str, dim: int, length: int, size: int) -> None:
         bad = length % size != 0
+        if self.first is None:
+            self.first = length
+        elif length != self.first and self.several is None:
+            self.several = f"{where} ({length} against {self.first})"
         if self.armed:
-            if self.first is None:
-                self.first = length
-            elif length != self.first:
-                self.several = True
-            if not self.agreed or self.every or self.learning:
-                worst = self._agree(length if bad else -1)
-                if worst >= 0:
-                    raise UnevenSequence(_uneven_message(where, dim, worst, size, replicas=True), worst)
-                return
-        if bad:
+            worst = self._agree(length if bad else -1, size)
+            if worst >= 0:
+                raise UnevenSequence(_uneven_message(where, dim, worst, size, replicas=True), worst)
+        elif bad:
             raise UnevenSequence(_uneven_message(where, dim, length, size, replicas=False), length)
 
     def settle(self, problem: UnevenSequence | None, size: int) -> None:
         """The step ended (``problem``: by this rank's own check): agree now if no check of it agreed."""
+        self.stepping = False
         if not self.armed:
             return
-        self.armed = False
-        if self.agreed:
-            self.learning = False
-            return
-        worst = self._agree(problem.length if problem is not None else -1)
+        worst = self._agree(problem.length if problem is not None else -1, size)
         if worst >= 0:
             raise UnevenSequence(_uneven_message("a sequence-parallel module", None, worst, size, replicas=True), worst)
 
-    def _agree(self, length: int) -> int:
-        """All-reduce this rank's offending length (-1: none) and whether it saw several lengths: the worst."""
-        flags = torch.tensor([float(length), float(self.several)], dtype=torch.float64)
+    def _agree(self, length: int, size: int) -> int:
+        """The worst offending length over the replicas (-1: none); refuses, on every rank, a model some rank
+        saw several lengths in."""
+        self.armed = False
+        flags = torch.tensor([float(length), float(self.several is not None)], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         worst, several = flags.tolist()
-        self.agreed, self.several = True, False
-        if several:
-            self.every = True
+        if several and worst < 0:  # one message on every rank: what this rank saw is logged, not raised
+            if self.several is not None:
+                log.error(f"A second sequence length in one training step: {self.several}.")
+            raise UnevenSequence(
+                "Sequence parallelism at data_parallel_size > 1 agrees each step's sequence length over the"
+                " replicas once, at the first module that scatters it, but this model's scatter points see"
+                " several lengths in one forward: one replica's uneven second length would stop it"
+                " alone while the others wait for it. Give every scattered input one length (pad the shorter"
+                f" to the longer, a multiple of tensor_parallel_size={size}), turn sequence parallelism off,"
+                " or use data_parallel_size=1.",
+                -1,
+            )
         return int(worst)
 
 
