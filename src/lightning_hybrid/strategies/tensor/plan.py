@@ -293,9 +293,10 @@ class SequenceCheck:
         flags = torch.tensor([float(length), float(self.several is not None)], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         worst, several = flags.tolist()
+        seen, self.several = self.several, None  # told: a later fit starts afresh
         if several and worst < 0:  # one message on every rank: what this rank saw is logged, not raised
-            if self.several is not None:
-                log.error(f"A second sequence length in one training step: {self.several}.")
+            if seen is not None:
+                log.error(f"A second sequence length in one training step: {seen}.")
             raise UnevenSequence(
                 "Sequence parallelism at data_parallel_size > 1 agrees each step's sequence length over the"
                 " replicas once, at the first module that scatters it, but this model's scatter points see"
