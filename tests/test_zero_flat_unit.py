@@ -343,3 +343,27 @@ def test_zero1_buffer_is_not_zeroed_per_step_and_a_gradient_a_window_lacks_is_ze
         assert torch.count_nonzero(grads.flat) > 0  # not zeroed: the next window overwrites it
         for p, q in zip(model.parameters(), reference.parameters()):
             q.data.copy_(p.data)
+
+
+def test_an_lr_scheduler_made_before_the_sharded_step_sees_its_steps_without_a_warning(one_rank_group):
+    """Lightning makes the LR schedulers before the strategy shards the optimizer: ZeRO-1/2's step, which
+    replaces the scheduler's wrapper of the optimizer's step and calls it, keeps the wrapper's mark, so the
+    scheduler's first step does not warn that the optimizer's step was overridden (nor that it ran first)."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    names = {p: n for n, p in model.named_parameters()}
+    sharded = FlatShardedOptimizer(
+        optimizer, names=names, group=one_rank_group, zero_stage=1, reduce_gradients="every_microbatch", bucket_numel=4
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # either of the scheduler's warnings fails the test
+        model(torch.randn(2, 4)).sum().backward()
+        sharded.queue.end_backward()
+        sharded.after_backward()
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)

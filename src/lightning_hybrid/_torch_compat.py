@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "post_accumulate_hooks",
     "tensor_hooks",
     "queue_backward_callback",
+    "replace_optimizer_step",
     "side_effect_free_stage",
     "wait_for_gloo_at_exit",
 ]
@@ -158,6 +160,17 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> None:
+    """Make ``step(optimizer, closure=None)`` the optimizer's own ``step`` (a method of the instance: an LR
+    scheduler made later rebinds what it wraps to it). The step it replaces may be an LR scheduler's wrapper,
+    which counts the optimizer's steps; the new one calls it, so it keeps the wrapper's mark (torch 2.13:
+    ``_wrapped_by_lr_sched``), or the scheduler's first step would warn that the optimizer's step was
+    overridden after it was made."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -21,7 +21,6 @@ Checkpoints: ``flat_state.FlatStateDict``.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_hybrid._torch_compat import replace_optimizer_step
 from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._user_code import UserGradientCode
 from lightning_hybrid.strategies.tensor.local import split_tensors
@@ -122,7 +122,7 @@ class FlatShardedOptimizer(FlatStep, FlatStateDict):
         # identity; Lightning and user code call both as before)
         optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
         # a method of the optimizer itself: an LR scheduler made later (SWALR) rebinds what it wraps to the optimizer
-        optimizer.step = types.MethodType(_stepping(self), optimizer)  # type: ignore[method-assign]
+        replace_optimizer_step(optimizer, _stepping(self))
         # user code reading or writing whole optimizer state is told where it is (``sharded_state``)
         optimizer.state_dict = self._refuse_state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self._refuse_state_dict  # type: ignore[method-assign]

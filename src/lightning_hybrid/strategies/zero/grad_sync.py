@@ -18,7 +18,6 @@ scattered every backward and gathers parameters when they are used).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid._protocols import TakesTensorPartition
+from lightning_hybrid._torch_compat import replace_optimizer_step
 from lightning_hybrid.optim._shardable import check_shardable
 from lightning_hybrid.optim.layerwise import TensorPartition
 from lightning_hybrid.strategies._user_code import UserGradientCode
@@ -111,7 +111,7 @@ class GradientSync:
                     optimizer.set_tensor_partition(TensorPartition(segments, len(params), None, split_tensors(params)))
         if self.user.reads_at_step and self.zero_stage in (0, 3) and self.data_parallel_size > 1:
             for optimizer in optimizers:  # ZeRO-1/2's optimizer has a step of its own (FlatShardedOptimizer)
-                optimizer.step = types.MethodType(_checked_step(self, optimizer.step), optimizer)
+                replace_optimizer_step(optimizer, _checked_step(self, optimizer.step))
 
     def before_update(self, optimizer: Optimizer) -> None:
         """User code ran between the step's start and the optimizer's update (``on_before_optimizer_step``,
