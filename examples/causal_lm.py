@@ -33,7 +33,7 @@ class CausalLMCLI(LightningCLI):
             for old in (checkpoint, export_dir):
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier()
-        trainer.save_checkpoint(checkpoint)  # every rank: a sharded folder in any layout
+        trainer.save_checkpoint(checkpoint, weights_only=False)  # every rank: a sharded folder in any layout
         trainer.strategy.barrier()
         if trainer.is_global_zero:
             export_pretrained(checkpoint, export_dir)
