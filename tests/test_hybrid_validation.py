@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import launch
 
 from lightning_hybrid.checkpoint._flat_shards import flat_boxes
@@ -81,6 +83,13 @@ def test_every_bad_input_fails_on_every_rank_with_the_same_message():
     assert errors[0] == errors[1], "ranks disagree on the error"
     for case, fragment in EXPECTED.items():
         assert fragment in errors[0][case], f"{case}: {errors[0][case]}"
+    # after some forty Trainers, the same layouts again: same outcome, and no process group (three threads) added
+    for r in (0, 1):
+        report = job.rank(r)
+        assert errors[0]["tp2_trains"] == errors[0]["pp2_tied_trains"] == "no error"
+        assert report["again"] == {name: errors[0][name] for name in report["again"]}
+        before, after = report["threads"]
+        assert after - before < 3, f"rank {r}: {after - before} threads more after the same layouts again"
 
 
 CONTRACT = {
@@ -124,6 +133,36 @@ def test_layout_rules():
         )  # fmt: skip
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3"):
         HybridParallelStrategy(zero_stage=4)
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))  # the process's threads, gloo's native ones included
+
+
+@pytest.mark.unit
+def test_a_layout_makes_its_groups_once_per_default_group():
+    """Every Trainer of a layout in one process uses the same mesh and groups (each gloo group holds three
+    threads for the life of the process: a sweep of Trainers used to pile them up), until the default group is
+    destroyed: then they are made afresh."""
+    assert not dist.is_initialized()
+    lay = resolve_layout(
+        world_size=1, num_nodes=1, pipeline_parallel_size=1, data_parallel_size=1, zero_stage=1,
+        schedule="1f1b", stages_per_rank=None, num_microbatches=None,
+    )  # fmt: skip
+    made = []
+    for _ in range(2):  # two default groups, one after the other
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            before = _threads()
+            first = (lay.build_mesh("cpu"), lay.host_data_parallel_group(), lay.model_parallel_group())
+            after_first = _threads()
+            again = (lay.build_mesh("cpu"), lay.host_data_parallel_group(), lay.model_parallel_group())
+            assert all(a is b for a, b in zip(first, again))
+            assert before < after_first == _threads(), "the second Trainer's groups were made again"
+            made.append(first)
+        finally:
+            dist.destroy_process_group()
+    assert all(a is not b for a, b in zip(*made)), "a group of a destroyed default group was handed out"
 
 
 @pytest.mark.unit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,8 @@ class Matrix:
         resumed_from = {s: self.checkpoints[s][0] for s in resume}
         out = self.root / layout
         results: dict[int, dict[str, Any]] = {rank: {} for rank in range(nproc)}
-        remaining, launches = list(shapes), 0
+        launches = self._kept(out, strategy, nproc, shapes, resume, results)
+        remaining = [s for s in shapes if not any(s in results[rank] for rank in range(nproc))]
         while remaining:
             # a launch that ended early (a failure on some ranks only ends the processes) is run again for the
             # cells it left undecided
@@ -98,6 +100,25 @@ class Matrix:
                 if s.startswith("routed-experts/") and replicas > 1:
                     self.rank_dependent_experts |= any(len({tuple(u) for u in step}) > 1 for step in fresh["experts"])
         return problems
+
+    @staticmethod
+    def _kept(out: Path, strategy: dict, nproc: int, shapes: list[str], resume: dict, results: dict) -> int:
+        """Load the reports earlier launches of this layout left under ``out`` (a run of the whole matrix that
+        ended early, continued with ``run.py --keep``): a cell counts only where that launch ran this
+        strategy, resumed the same checkpoint and every rank reported it. Returns how many launches there were."""
+        launches = sorted(out.glob("reports-*"), key=lambda folder: int(folder.name.partition("-")[2]))
+        for folder in launches:
+            cfg = json.loads((folder / "config.json").read_text())
+            reports = [folder / f"rank{rank}.json" for rank in range(nproc)]
+            if cfg["strategy"] != strategy or not all(report.exists() for report in reports):
+                continue
+            ranks = [json.loads(report.read_text())["results"] for report in reports]
+            for s in shapes:
+                same_start = cfg.get("resume", {}).get(s) == resume.get(s)
+                if same_start and all(s in mine for mine in ranks):
+                    for rank, mine in enumerate(ranks):
+                        results[rank][s] = mine[s]
+        return max((int(folder.name.partition("-")[2]) for folder in launches), default=0)
 
     def _judge(self, layout: str, shape: str, runs: list[dict], run: str, ref: Reference) -> Cell:
         runs = [{**r, run: r.get(run, {"error": "the rank's process ended before this run"})} for r in runs]

@@ -1,13 +1,17 @@
 """Run the whole conformance matrix and write its table (the README's "What works with what" links it).
 
-    python tests/conformance/run.py [OUTPUT.md]        (default: docs/conformance.md)
+    python tests/conformance/run.py [OUTPUT.md] [--keep DIR]        (default: docs/conformance.md)
 
-Every layout is launched in turn (about 15 minutes on two CPU cores); the output lists every cell, the
-refusals with their messages, and any cell that is neither exact nor refused (then the exit code is 1).
+Every layout is launched in turn (one to three hours on two CPU cores, most of it in the four-process
+layouts); the output lists every cell, the refusals with their messages, and any cell that is neither exact
+nor refused (then the exit code is 1). ``--keep DIR`` runs the matrix in DIR and keeps it: run again with the
+same DIR (after a timeout, a reboot or a Ctrl-C), the cells whose reports are already there are judged from
+them and only the others are launched. The same code must run both times.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -23,8 +27,12 @@ from shapes import CHECKPOINT_AT, GLOBAL_BATCH, MAX_STEPS, catalogue  # noqa: E4
 
 
 def main() -> int:
-    output = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE.parents[1] / "docs" / "conformance.md"
-    matrix = Matrix(Path(tempfile.mkdtemp(prefix="lh-conformance-")))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output", nargs="?", type=Path, default=HERE.parents[1] / "docs" / "conformance.md")
+    parser.add_argument("--keep", type=Path, help="run the matrix in this folder; an earlier run's reports there count")
+    args = parser.parse_args()
+    output = args.output
+    matrix = Matrix(args.keep or Path(tempfile.mkdtemp(prefix="lh-conformance-")))
     problems = []
     for layout in LAYOUTS:
         start = time.monotonic()

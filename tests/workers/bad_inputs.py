@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,13 @@ CASES: dict[str, dict[str, Any]] = {
     "tp_optimizer_not_elementwise": {"strategy": {"tensor_parallel_size": 2}, "adafactor": True},
     # every rank skips the same batch: Lightning's own refusal, on every rank
     "zero1_skip_on_every_rank": {"strategy": {"data_parallel_size": 2, "zero_stage": 1}, "skip": 1, "everywhere": True},
+    # layouts that train: with the cases above they are run again at the end (AGAIN)
+    "tp2_trains": {"strategy": {"tensor_parallel_size": 2}},
+    "pp2_tied_trains": {"strategy": {"pipeline_parallel_size": 2}, "tie": True},
 }
+# run a second time after every case: their Trainers must reuse the process groups the first ones made (mesh,
+# skip flags, tensor-parallel norm, tied weights), not add groups (threads) of their own
+AGAIN = ("zero1_skip_on_one_rank", "tp2_trains", "pp2_tied_trains")
 
 
 class MoveHeadToNewGroup(Callback):
@@ -299,7 +306,12 @@ def main(cfg: dict[str, Any]) -> None:
         for name, case in CASES.items()
         if (name in cfg["only"] if cfg.get("only") else not case.get("alone"))  # "alone": a job of its own
     }
-    write_report(cfg["out"], {"rank": rank(), "errors": {name: attempt(case) for name, case in cases.items()}})
+    report: dict[str, Any] = {"rank": rank(), "errors": {name: attempt(case) for name, case in cases.items()}}
+    if not cfg.get("only"):
+        threads = len(os.listdir("/proc/self/task"))  # gloo's native threads included
+        report["again"] = {name: attempt(CASES[name]) for name in AGAIN}
+        report["threads"] = [threads, len(os.listdir("/proc/self/task"))]
+    write_report(cfg["out"], report)
 
 
 if __name__ == "__main__":

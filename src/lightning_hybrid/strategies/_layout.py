@@ -1,7 +1,8 @@
-"""The one layout object of both engines: the degrees (pipeline, data, and a tensor slot that is 1 for now),
-the schedule and micro-batches, resolved by one function with one set of spellings and defaults
-(:class:`LayoutRequest` -> :class:`Layout`), the named device mesh they make, and the record checkpoints carry;
-with the schedule table and where each schedule places its stages.
+"""The one layout object of both engines: the degrees (pipeline, data and tensor), the schedule and
+micro-batches, resolved by one function with one set of spellings and defaults (:class:`LayoutRequest` ->
+:class:`Layout`), the named device mesh and process groups they make (made once per process and layout:
+:func:`shared_group`), and the record checkpoints carry; with the schedule table and where each schedule places
+its stages.
 
 Resolution touches no process group or Trainer, so every rule is unit-tested in one process and every rank of
 a job reaches the same verdict on the same input (bad input fails everywhere, never hangs).
@@ -9,9 +10,11 @@ a job reaches the same verdict on the same input (bad input fails everywhere, ne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_hybrid._validate import check_choice, check_int
@@ -29,6 +32,7 @@ __all__ = [
     "check_choices",
     "last_stage_rank",
     "resolve_layout",
+    "shared_group",
     "stage_ids_on_rank",
 ]
 
@@ -207,7 +211,21 @@ class Layout:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The job's one named device mesh (every rank calls it)."""
         sizes, names = self.mesh_shape()
-        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        return shared_group(
+            ("mesh", device_type, sizes, names), lambda: init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        )
+
+    def host_data_parallel_group(self) -> dist.ProcessGroup:
+        """This rank's data-parallel group on the host (gloo, whatever the default backend), shared."""
+        groups = self.data_parallel_groups()
+        return shared_group(
+            ("host dp", str(groups)), lambda: dist.new_subgroups_by_enumeration(groups, backend="gloo")[0]
+        )
+
+    def model_parallel_group(self) -> dist.ProcessGroup:
+        """This rank's group of every pipeline and tensor-parallel rank of its replica, shared."""
+        groups = self.model_parallel_groups()
+        return shared_group(("model", str(groups)), lambda: dist.new_subgroups_by_enumeration(groups)[0])
 
     def record(self, *, engine: str, tied_parameters: list[Any]) -> dict[str, Any]:
         """What a checkpoint records of the layout that wrote it (informational: any layout and either engine
@@ -235,6 +253,31 @@ class Layout:
         if self.pipeline_parallel_size > 1:
             text += f", schedule={self.schedule}, stages={self.num_stages}, num_microbatches={self.num_microbatches}"
         return text
+
+
+_T = TypeVar("_T")
+_SHARED: dict[tuple[Any, ...], Any] = {}
+
+
+def shared_group(key: tuple[Any, ...], make: Callable[[], _T]) -> _T:
+    """The process group (or device mesh) ``make`` creates, made once per ``key`` for the life of the default
+    process group: every later Trainer of the same layout in this process (fit, validate and test; a sweep; the
+    next stage of a fine-tune) uses the same groups instead of adding its own.
+
+    A process group lives until the process ends or it is destroyed (gloo: three threads each; NCCL: a
+    communicator and its device memory), and the strategy cannot destroy its groups at teardown: the module's
+    DTensors keep the mesh after ``fit``, for ``validate``, ``test`` and saving. Without sharing, a process
+    that ran a few hundred Trainers (a hyper-parameter search, the conformance matrix) held thousands of idle
+    threads and its steps slowed several-fold. Every rank reaches the same keys in the same order, so every rank
+    creates the same groups, as ``new_group`` requires; a new default group (``destroy_process_group`` and
+    ``init_process_group`` again) starts afresh."""
+    world = dist.group.WORLD
+    for stale in [k for k in _SHARED if k[0] is not world]:
+        del _SHARED[stale]  # made under a default group that was destroyed with its subgroups
+    full = (world, *key)
+    if full not in _SHARED:
+        _SHARED[full] = make()
+    return _SHARED[full]
 
 
 def resolve_layout(

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -191,7 +190,7 @@ def prepare_module(
         units=units,
     )
     if tensor_plans is not None:  # the global norm counts a parameter every tensor-parallel rank holds once
-        model_group, _ = dist.new_subgroups_by_enumeration(layout.model_parallel_groups())
+        model_group = layout.model_parallel_group()
         sync.count_tensor_parallel(
             whole_on_every_rank(module, TP_AXIS),
             first=mesh.get_local_rank(TP_AXIS) == 0,

@@ -254,7 +254,7 @@ class HybridParallelStrategy(ParallelLayout, HybridCheckpoints, HybridStep, Shar
         if self._flag_group is None and lay.data_parallel_size > 1:
             # the skip agreement over each data-parallel group on the host (gloo): on GPUs it never waits for the
             # device (an NCCL flag would sync the host with the compute stream at every micro-batch)
-            self._flag_group, _ = dist.new_subgroups_by_enumeration(lay.data_parallel_groups(), backend="gloo")
+            self._flag_group = lay.host_data_parallel_group()
         assert self.lightning_module is not None
         attach_device_mesh(self.lightning_module, self._mesh)
         rank_zero_info(f"HybridParallelStrategy: {lay.describe()}")

@@ -19,6 +19,7 @@ units of one rank (each unit would shard its own copy and untie it).
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_hybrid._agree import agreed_problem
 from lightning_hybrid.contract import Tie
-from lightning_hybrid.strategies._layout import Layout, stage_ids_on_rank
+from lightning_hybrid.strategies._layout import Layout, shared_group, stage_ids_on_rank
 from lightning_hybrid.strategies.zero.config import ZeroConfig
 from lightning_hybrid.strategies.zero.fully_sharded import unit_of
 
@@ -130,7 +131,10 @@ class TiedGradients:
             mine = None
             for dp in range(layout.data_parallel_size):
                 for tp in range(layout.tensor_parallel_size):  # each tensor-parallel slice sums with its own
-                    group = dist.new_group([layout.rank_at(pp, dp, tp) for pp in holders])
+                    ranks = [layout.rank_at(pp, dp, tp) for pp in holders]
+                    group = shared_group(
+                        ("tied", tuple(tie.names), str(ranks)), functools.partial(dist.new_group, ranks)
+                    )
                     if (dp, tp) == (dp_rank, tp_rank) and pp_rank in holders:
                         mine = group
             if mine is not None:
