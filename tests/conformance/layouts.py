@@ -61,7 +61,7 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any], int, int]] = {
 }
 
 # layouts the slow tier (CI) leaves to `run.py` (which writes docs/conformance.md with every layout), so that the
-# whole CI run stays well inside its time on 2 CPU cores: the four-process ones (6-15 minutes each) and the
+# whole CI run stays well inside its time on 2 CPU cores: the four-process ones (3-4 minutes each) and the
 # variants of a stage CI runs otherwise (ZeRO-2 once per step, ZeRO-3 by submodules, DeepSpeed's ZeRO-0). CI keeps
 # one process, pp2, dp2 at ZeRO-0/1/2/3, tp2 and DeepSpeed's pp2 ZeRO-1 (a checkpoint still crosses into the
 # other engine and out of tensor parallelism); the planted bugs run on those. The others' exactness, checkpoints

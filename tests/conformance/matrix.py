@@ -63,8 +63,9 @@ class Matrix:
             cfg = {"layout": layout, "strategy": strategy, "shapes": remaining, "resume": resume,
                    "checkpoints": str(out / "runs"), "out": str(out / f"reports-{launches}")}  # fmt: skip
             # one launch trains every remaining shape, each fresh and resumed with two optimizers: on two cores
-            # a two-process layout took up to 5 s a shape, a four-process one (dp2 x tp2) up to 66 s, and a
-            # timeout ends the whole run, so the limit is generous and grows with the shapes left
+            # a two-process layout takes 1-3 s a shape, a four-process one 3-6 s (66 s once, when every Trainer
+            # added process groups), and a timeout ends the whole run, so the limit is generous and grows with
+            # the shapes left
             limit = len(remaining) * (25 if nproc <= 2 else 150)
             script = "../conformance/worker.py"
             job = launch(script, cfg, nproc=nproc, timeout=limit, expect_success=False, env=self.env)

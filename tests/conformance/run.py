@@ -2,7 +2,7 @@
 
     python tests/conformance/run.py [OUTPUT.md] [--keep DIR]        (default: docs/conformance.md)
 
-Every layout is launched in turn (one to three hours on two CPU cores, most of it in the four-process
+Every layout is launched in turn (about 40 minutes on two CPU cores, half of it in the four-process
 layouts); the output lists every cell, the refusals with their messages, and any cell that is neither exact
 nor refused (then the exit code is 1). ``--keep DIR`` runs the matrix in DIR and keeps it: run again with the
 same DIR (after a timeout, a reboot or a Ctrl-C), the cells whose reports are already there are judged from
