@@ -106,9 +106,10 @@ class Matrix:
     def _kept(out: Path, strategy: dict, nproc: int, shapes: list[str], resume: dict, results: dict) -> int:
         """Load the reports earlier launches of this layout left under ``out`` (a run of the whole matrix that
         ended early, continued with ``run.py --keep``): a cell counts only where that launch ran this
-        strategy, resumed the same checkpoint and every rank reported it. Returns how many launches there were."""
-        launches = sorted(out.glob("reports-*"), key=lambda folder: int(folder.name.partition("-")[2]))
-        for folder in launches:
+        strategy, resumed the same checkpoint and every rank reported it. Returns the number of the last launch
+        (the next one follows it: no report is overwritten)."""
+        launches = sorted((int(folder.name.partition("-")[2]), folder) for folder in out.glob("reports-*"))
+        for _, folder in launches:
             cfg = json.loads((folder / "config.json").read_text())
             reports = [folder / f"rank{rank}.json" for rank in range(nproc)]
             if cfg["strategy"] != strategy or not all(report.exists() for report in reports):
@@ -119,7 +120,7 @@ class Matrix:
                 if same_start and all(s in mine for mine in ranks):
                     for rank, mine in enumerate(ranks):
                         results[rank][s] = mine[s]
-        return max((int(folder.name.partition("-")[2]) for folder in launches), default=0)
+        return launches[-1][0] if launches else 0
 
     def _judge(self, layout: str, shape: str, runs: list[dict], run: str, ref: Reference) -> Cell:
         runs = [{**r, run: r.get(run, {"error": "the rank's process ended before this run"})} for r in runs]
