@@ -33,6 +33,8 @@ class Matrix:
     checkpoints: dict[str, tuple[str, str]] = field(default_factory=dict)  # shape -> (layout, folder)
     rank_dependent_experts: bool = False
     env: dict[str, str] = field(default_factory=dict)  # for the ranks (a mutated copy of the package)
+    # layout -> {shape: how a rank's process ended in it without a report}: launched again once (see run_layout)
+    crashes: dict[str, dict[str, str]] = field(default_factory=dict)
     _references: dict[tuple[Any, ...], Reference] = field(default_factory=dict)
 
     def reference(self, shape: str, split: tuple[int, int], before: tuple[int, int] | None = None) -> Reference:
@@ -61,7 +63,7 @@ class Matrix:
             # cells it left undecided
             launches += 1
             cfg = {"layout": layout, "strategy": strategy, "shapes": remaining, "resume": resume,
-                   "checkpoints": str(out / "runs"), "out": str(out / f"reports-{launches}")}  # fmt: skip
+                   "checkpoints": str(out / f"runs-{launches}"), "out": str(out / f"reports-{launches}")}  # fmt: skip
             # one launch trains every remaining shape, each fresh and resumed with two optimizers: on two cores
             # a two-process layout takes 1-3 s a shape, a four-process one 3-6 s (66 s once, when every Trainer
             # added process groups), and a timeout ends the whole run, so the limit is generous and grows with
@@ -77,11 +79,25 @@ class Matrix:
                 for s in remaining:
                     self.cells[(s, layout, "fresh")] = Cell("FAILED", f"launch failed (exit {job.returncode})")
                 return [f"{layout}: the launch failed with exit code {job.returncode}\n{job.output[-6000:]}"]
-            remaining = [s for s in remaining if s not in decided]
-        ended = {"error": "the rank's process ended in this cell without a report (stopped after a peer failed)"}
-        for rank in range(nproc):
-            for s in shapes:
-                results[rank].setdefault(s, {"fresh": ended, **({"resumed": ended} if s in resume else {})})
+            again = []
+            for s in decided:
+                ended = [rank for rank in range(nproc) if s not in results[rank]]
+                if not ended:
+                    continue
+                # how those processes ended: the launch's exit status and the end of their own logs
+                why = "; ".join(_ended(rank, job.returncode, Path(cfg["out"]) / f"rank{rank}.log") for rank in ended)
+                if s not in self.crashes.get(layout, {}):
+                    # a process that died with no word (a signal, an abort in a library's thread) is launched
+                    # again once, in a folder of its own; the crash is kept and shown, and a second one fails
+                    self.crashes.setdefault(layout, {})[s] = why
+                    again.append(s)
+                    for rank in range(nproc):
+                        results[rank].pop(s, None)
+                    continue
+                for rank in ended:
+                    lost = {"error": f"the rank's process ended without a report, twice: {why}"}
+                    results[rank][s] = {"fresh": lost, **({"resumed": lost} if s in resume else {})}
+            remaining = [s for s in remaining if s not in decided or s in again]
         problems = []
         for s in shapes:
             runs = [results[rank][s] for rank in range(nproc)]
@@ -251,3 +267,10 @@ def _worst(weights: dict, reference: dict) -> tuple[float, str]:
 
 def summary(matrix: Matrix) -> dict[str, Any]:
     return {f"{s}|{lay}|{run}": (c.verdict, c.detail) for (s, lay, run), c in matrix.cells.items()}
+
+
+def _ended(rank: int, returncode: int, log: Path) -> str:
+    """What a rank that ended in a cell without a report left: the launch's exit status (negative: the signal
+    that ended a process) and the end of the rank's log (a crash's stack: the workers enable faulthandler)."""
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+    return f"rank {rank} ended without a report (launch exit {returncode}); its log ends:\n{tail}"

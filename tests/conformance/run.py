@@ -67,6 +67,10 @@ def main() -> int:
     lines += [f"- {shape} x {layout}: {message}" for (shape, layout), message in sorted(matrix.refusals().items())]
     if problems:
         lines += ["", "## Not conforming", ""] + [f"- {p.splitlines()[0]}" for p in problems]
+    crashes = [(shape, layout, why) for layout, found in matrix.crashes.items() for shape, why in found.items()]
+    if crashes:  # judged on their second launch; the first one's end is kept here
+        lines += ["", "## Processes that ended without a report (launched again once)", ""]
+        lines += [f"- {shape} x {layout}:\n\n```\n{why}\n```" for shape, layout, why in crashes]
     output.write_text("\n".join(lines) + "\n")
     print(f"wrote {output}")
     return 1 if problems else 0

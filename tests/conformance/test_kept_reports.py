@@ -51,3 +51,37 @@ def test_nothing_kept_in_a_new_folder(tmp_path: Path) -> None:
     results: dict[int, dict] = {0: {}}
     assert Matrix._kept(tmp_path / "single", STRATEGY, 1, ["a"], {}, results) == 0
     assert results == {0: {}}
+
+
+def test_a_process_that_ended_without_a_report_is_launched_again_once(tmp_path: Path, monkeypatch) -> None:
+    """A rank whose process died with no word in a cell (a signal, an abort in a library's thread): the cell is
+    launched again once, in a checkpoint folder of its own, judged on that launch, and the first end is kept
+    with the rank's log; a second such end fails the cell."""
+    import matrix as matrix_module
+    from helpers import JobResult
+
+    launches: list[dict] = []
+
+    def fake_launch(script, cfg, *, nproc, timeout, expect_success, env):
+        launches.append(cfg)
+        Path(cfg["out"]).mkdir(parents=True)
+        (Path(cfg["out"]) / "rank0.log").write_text("Fatal Python error: Segmentation fault\n  File worker.py")
+        refused = {"fresh": {"error": "ValueError: refused"}}
+        died = len(launches) == 1 or "twice" in cfg["shapes"]
+        ranks = [{} if died else {s: refused for s in cfg["shapes"]}, {s: refused for s in cfg["shapes"]}]
+        return JobResult(-11 if died else 0, "", [{"rank": r, "results": ranks[r]} for r in range(2)])
+
+    monkeypatch.setattr(matrix_module, "launch", fake_launch)
+    monkeypatch.setattr(Matrix, "reference", lambda *args, **kwargs: None)
+    m = Matrix(tmp_path)
+    problems = m.run_layout("dp2-zero1", ["once"])
+    assert len(launches) == 2 and launches[1]["shapes"] == ["once"]
+    assert launches[0]["checkpoints"] != launches[1]["checkpoints"]  # the second never resumes the first's
+    assert problems == ["once x dp2-zero1 (fresh): FAILED: ValueError: refused\n"]  # judged on launch 2
+    assert "launch exit -11" in m.crashes["dp2-zero1"]["once"]
+    assert "Segmentation fault" in m.crashes["dp2-zero1"]["once"]
+
+    launches.clear()
+    problems = Matrix(tmp_path / "again").run_layout("dp2-zero1", ["twice"])
+    assert len(launches) == 2
+    assert len(problems) == 1 and "ended without a report, twice" in problems[0], problems

@@ -14,6 +14,7 @@ rank; rank 0 also the weights consolidated from the final checkpoint. Or the err
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -146,6 +147,7 @@ def train(cfg: dict[str, Any], name: str, *, folder: Path, resume: str | None) -
 
 
 def main() -> None:
+    faulthandler.enable()  # a rank that crashes (a signal, an abort in a library's thread) prints its stacks
     cfg = json.loads(Path(sys.argv[1]).read_text())
     root = Path(cfg["checkpoints"])
     results: dict[str, Any] = {}
