@@ -14,8 +14,12 @@ This sweep trains a residual MLP of about 1M, 10M, 30M and 100M parameters in tw
   than 12 GiB per rank.
 
 Per size and shape, K = 1 and 4 micro-batches per step, fused AdamW, each configuration against Lightning's
-DDP on the same model and data, interleaved step by step in the same processes (``overlap.py``'s rounds; its
-``_Turns``): a second DDP Trainer (the noise row), ZeRO-0, ZeRO-1, ZeRO-2 (``every_microbatch``) against DDP
+DDP on the same model and data, in the same processes: by default each configuration fitted alone, one
+Trainer after the other after an untimed one, in an order each round rotates (``--interleave trainers``: one
+model in memory at a time, as a user runs it); or all of them at once, a step of each in turn
+(``--interleave steps``, ``overlap.py``'s ``_Turns``: a slow spell falls on every configuration alike, but at
+100M five models share each rank's memory and cache, and ZeRO-0/1 measured 1.1-1.2 of DDP at K=1 there, 0.93
+fitted alone). Rows: a second DDP Trainer (the noise row), ZeRO-0, ZeRO-1, ZeRO-2 (``every_microbatch``) against DDP
 and against its floor row (DDP plus the reduce-scatters ZeRO-2's memory bound requires: ``overlap.py``'s
 ``ddp+reduce-scatters``), and ZeRO-3 against Lightning's ``ModelParallelStrategy`` (FSDP2) sharded the same
 way (one unit per block, and the root). The configurations run in two jobs per round (the first: DDP, DDP
@@ -188,7 +192,7 @@ def worker(cfg: dict[str, Any]) -> None:
     if cfg.get("tree"):  # an earlier revision's package, ahead of the installed one
         sys.path.insert(0, str(Path(cfg["tree"]) / "src"))
     import torch.distributed as dist
-    from overlap import _lockstep
+    from overlap import CONFIGS, _fit, _lockstep
 
     import lightning_hybrid
 
@@ -200,8 +204,18 @@ def worker(cfg: dict[str, Any]) -> None:
     names, shift = cfg["configs"], cfg["shift"] % len(cfg["configs"])
     order = names[shift:] + names[:shift]
     runs = []
+    if cfg["interleave"] == "trainers":
+        # the process's first Trainer is slower (its heap grows, first calls are compiled or cached): untimed
+        _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1, build=_mlp_and_data)
+        gc.collect()
     for k in cfg["accumulation"]:
-        reports = _lockstep(cfg, order, k, seed=cfg["shift"], build=_mlp_and_data)
+        if cfg["interleave"] == "trainers":
+            reports = {}
+            for name in order:
+                reports[name] = _fit(cfg, CONFIGS[name], k, build=_mlp_and_data)
+                gc.collect()  # this Trainer's model and buffers (reference cycles) before the next one's
+        else:
+            reports = _lockstep(cfg, order, k, seed=cfg["shift"], build=_mlp_and_data)
         runs += [{"k": k, "name": name, "step_time": reports[name]["step_time"]} for name in names]
         gc.collect()  # the last K's Trainers and models (reference cycles) before the next K builds its own
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -274,9 +288,9 @@ def _run_trace(args: argparse.Namespace, tree: Path | None, work: Path) -> None:
     tables: list[str] = []
     faults: dict[str, dict[int, float]] = {}
     for k in (1, 4):
-        cfg = {"steps": args.steps, "warmup": 3, "batch_size": args.batch_size, "accumulation": [k], "k": k,
+        cfg = {"steps": args.steps or 7, "warmup": 3, "batch_size": args.batch_size, "accumulation": [k], "k": k,
                "model": model, "configs": TRACED, "tree": str(tree) if tree else None}  # fmt: skip
-        reports = run_job(__file__, cfg, 2, work / "trace", 300 + 40 * args.steps * k * psi / 1e8)
+        reports = run_job(__file__, cfg, 2, work / "trace", 300 + 40 * cfg["steps"] * k * psi / 1e8)
         trace = next(r for r in reports if r["rank"] == 0)["trace"]
         for name in TRACED:
             faults.setdefault(name, {})[k] = statistics.median(trace[name]["faults"])
@@ -295,7 +309,16 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=list(SIZES), help="millions of parameters")
     parser.add_argument("--shapes", nargs="*", default=["large", "small"], choices=["large", "small"])
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every job (the order rotated)")
-    parser.add_argument("--steps", type=int, default=7, help="optimizer steps per configuration (3 are warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=None,
+        help="optimizer steps per configuration, 3 of them warm-up (default: 7 at 100M, more on smaller models,"
+        " up to 40: about the same seconds of timed steps per configuration at every size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interleave", choices=["trainers", "steps"], default="trainers",
+        help="trainers: each configuration fitted alone, one after the other (default); steps: all at once, a"
+        " step of each in turn",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16, help="samples per micro-batch and rank")
     parser.add_argument(
         "--small-max", type=int, default=30,
@@ -329,7 +352,7 @@ def main() -> None:
         _run_trace(args, tree, work)
         return
     base = {"steps": args.steps, "warmup": 3, "batch_size": args.batch_size, "accumulation": [1, 4],
-            "interleave": "steps", "tree": str(tree) if tree else None}  # fmt: skip
+            "interleave": args.interleave, "tree": str(tree) if tree else None}  # fmt: skip
     suffix = f"_{args.revision}" if args.revision else ""
     saved = args.out / f"step_time_cpu{suffix}.json"
     results: dict[str, Any] = {"ratios": {}, "psi": {}, "ms": {}, "rounds": {}}
@@ -346,8 +369,14 @@ def main() -> None:
     label = f"revision {args.revision}" if args.revision else "the working tree"
     lines = [
         f"# step time against model size: 2 CPU processes (gloo, fp32), residual MLP, fused AdamW, {label}",
-        f"# per-rank micro-batch {args.batch_size} samples, {args.steps} steps per configuration and round"
-        f" ({base['warmup']} warm-up), interleaved step by step; ratio: median over rounds (min-max)",
+        f"# per-rank micro-batch {args.batch_size} samples, {args.steps or 'up to 40 (7 at 100M)'} steps per"
+        f" configuration and round ({base['warmup']} warm-up), "
+        + (
+            "each configuration fitted alone, the order rotated by round"
+            if args.interleave == "trainers"
+            else "interleaved step by step"
+        )
+        + "; ratio: median over rounds (min-max)",
         "",
         "| size | shape | tensors | rounds | ratio | K=1 | K=4 | DDP ms K=1 | DDP ms K=4 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -387,10 +416,12 @@ def _sweep_one(
     w, d = model["width"], model["depth"]
     psi = d * (8 * w * w + (7 * w if model["norms"] else 0))
     times: dict[tuple[str, int], list[float]] = {}
+    # about the same timed seconds per configuration at every size: a 1M step takes 16 ms, a 100M one 1.1 s
+    steps = args.steps or max(7, min(40, round(7 * 1e8 / psi)))
     for round_ in range(args.repeats):
         for j, names in enumerate(JOBS):
-            cfg = {**base, "model": model, "configs": names, "shift": round_}
-            budget = 300 + len(names) * args.steps * 5 * psi / 1e7
+            cfg = {**base, "steps": steps, "model": model, "configs": names, "shift": round_}
+            budget = 300 + len(names) * steps * 5 * psi / 1e7
             reports = run_job(__file__, cfg, 2, work / f"job{j}", budget)
             for i, run in enumerate(reports[0]["runs"]):
                 step = max(r["runs"][i]["step_time"] for r in reports)  # the slowest rank's
