@@ -86,16 +86,21 @@ class Matrix:
                     continue
                 # how those processes ended: the launch's exit status and the end of their own logs
                 why = "; ".join(_ended(rank, job.returncode, Path(cfg["out"]) / f"rank{rank}.log") for rank in ended)
-                if s not in self.crashes.get(layout, {}):
-                    # a process that died with no word (a signal, an abort in a library's thread) is launched
-                    # again once, in a folder of its own; the crash is kept and shown, and a second one fails
+                told = [
+                    run.get("error") for rank in range(nproc) if s in results[rank] for run in results[rank][s].values()
+                ]
+                if s not in self.crashes.get(layout, {}) and all(e is None or _LOST_PEER in e for e in told):
+                    # a process that died with no word (a signal, an abort in a library's thread) while the others
+                    # trained or lost only their connection to it: launched again once (the fresh run in a folder of
+                    # its own), the crash kept and shown; a second one fails, as does a real error on any rank
                     self.crashes.setdefault(layout, {})[s] = why
                     again.append(s)
                     for rank in range(nproc):
                         results[rank].pop(s, None)
                     continue
                 for rank in ended:
-                    lost = {"error": f"the rank's process ended without a report, twice: {why}"}
+                    twice = ", twice" if s in self.crashes.get(layout, {}) else ""
+                    lost = {"error": f"the rank's process ended without a report{twice}: {why}"}
                     results[rank][s] = {"fresh": lost, **({"resumed": lost} if s in resume else {})}
             remaining = [s for s in remaining if s not in decided or s in again]
         problems = []
@@ -248,6 +253,8 @@ class Matrix:
                 text = mark[fresh.verdict] if fresh else "-"
                 if resumed is not None and resumed.verdict != "refused":
                     text += " / resumed " + mark[resumed.verdict]
+                if s in self.crashes.get(layout, {}):
+                    text += " (launched twice: a process ended without a report)"
                 row.append(text)
             lines.append(f"| {s} | " + " | ".join(row) + " |")
         return "\n".join(lines)
@@ -269,8 +276,12 @@ def summary(matrix: Matrix) -> dict[str, Any]:
     return {f"{s}|{lay}|{run}": (c.verdict, c.detail) for (s, lay, run), c in matrix.cells.items()}
 
 
+# how gloo words a peer process that is gone (a reset or closed connection)
+_LOST_PEER = "Connection"
+
+
 def _ended(rank: int, returncode: int, log: Path) -> str:
     """What a rank that ended in a cell without a report left: the launch's exit status (negative: the signal
     that ended a process) and the end of the rank's log (a crash's stack: the workers enable faulthandler)."""
     tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
-    return f"rank {rank} ended without a report (launch exit {returncode}); its log ends:\n{tail}"
+    return f"rank {rank} ended without a report (the launch's exit code: {returncode}); its log ends:\n{tail}"

@@ -188,6 +188,9 @@ def run(mutation: Mutation, root: Path, references: dict | None = None) -> list[
     cells = [f"{shape}/sgd" for shape in mutation.shapes]
     for layout in mutation.layouts:
         matrix.run_layout(layout, cells)
+    for layout, found in matrix.crashes.items():  # judged on the second launch: the first one's end is shown
+        for shape, why in found.items():
+            print(f"{mutation.name}: {shape} x {layout} launched twice; the first time {why}", flush=True)
     return [
         f"{shape} x {layout} ({run})"
         for (shape, layout, run), cell in sorted(matrix.cells.items())

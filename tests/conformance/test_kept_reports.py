@@ -17,6 +17,7 @@ from matrix import Matrix  # noqa: E402
 pytestmark = pytest.mark.unit
 
 STRATEGY = {"name": "hybrid", "kwargs": {"data_parallel_size": 2}}
+ONCE = "scalar-params/sgd"  # a shape of the catalogue: the table lists those
 
 
 def _launch(folder: Path, strategy: dict, resume: dict, ranks: list[dict]) -> None:
@@ -54,9 +55,10 @@ def test_nothing_kept_in_a_new_folder(tmp_path: Path) -> None:
 
 
 def test_a_process_that_ended_without_a_report_is_launched_again_once(tmp_path: Path, monkeypatch) -> None:
-    """A rank whose process died with no word in a cell (a signal, an abort in a library's thread): the cell is
-    launched again once, in a checkpoint folder of its own, judged on that launch, and the first end is kept
-    with the rank's log; a second such end fails the cell."""
+    """A rank whose process died with no word in a cell (a signal, an abort in a library's thread) while its peer
+    trained or lost its connection to it: the cell is launched again once, the fresh run in a checkpoint folder
+    of its own, judged on that launch only, and the first end is kept with the rank's log and marked in the
+    table; a second such end fails the cell, and so does a real error on the peer (never launched again)."""
     import matrix as matrix_module
     from helpers import JobResult
 
@@ -65,23 +67,35 @@ def test_a_process_that_ended_without_a_report_is_launched_again_once(tmp_path: 
     def fake_launch(script, cfg, *, nproc, timeout, expect_success, env):
         launches.append(cfg)
         Path(cfg["out"]).mkdir(parents=True)
-        (Path(cfg["out"]) / "rank0.log").write_text("Fatal Python error: Segmentation fault\n  File worker.py")
-        refused = {"fresh": {"error": "ValueError: refused"}}
-        died = len(launches) == 1 or "twice" in cfg["shapes"]
-        ranks = [{} if died else {s: refused for s in cfg["shapes"]}, {s: refused for s in cfg["shapes"]}]
-        return JobResult(-11 if died else 0, "", [{"rank": r, "results": ranks[r]} for r in range(2)])
+        (Path(cfg["out"]) / "rank0.log").write_text("Fatal Python error: Aborted\n  File worker.py")
+        shape = cfg["shapes"][0]
+        died = len(launches) == 1 or shape == "twice"
+        peer = {
+            ONCE: "RuntimeError: [pair.cc:537] Read error: Connection reset by peer" if died else "ValueError: 2nd",
+            "twice": "RuntimeError: Connection closed by peer",
+            "real": "ValueError: a bug on rank 1",
+        }[shape]
+        ranks = [{} if died else {shape: {"fresh": {"error": "ValueError: 2nd"}}}, {shape: {"fresh": {"error": peer}}}]
+        return JobResult(-6 if died else 0, "", [{"rank": r, "results": ranks[r]} for r in range(2)])
 
     monkeypatch.setattr(matrix_module, "launch", fake_launch)
     monkeypatch.setattr(Matrix, "reference", lambda *args, **kwargs: None)
-    m = Matrix(tmp_path)
-    problems = m.run_layout("dp2-zero1", ["once"])
-    assert len(launches) == 2 and launches[1]["shapes"] == ["once"]
+    m = Matrix(tmp_path / "once")
+    problems = m.run_layout("dp2-zero1", [ONCE])
+    assert len(launches) == 2 and launches[1]["shapes"] == [ONCE]
     assert launches[0]["checkpoints"] != launches[1]["checkpoints"]  # the second never resumes the first's
-    assert problems == ["once x dp2-zero1 (fresh): FAILED: ValueError: refused\n"]  # judged on launch 2
-    assert "launch exit -11" in m.crashes["dp2-zero1"]["once"]
-    assert "Segmentation fault" in m.crashes["dp2-zero1"]["once"]
+    # judged on launch 2 alone: both ranks' errors are its own (rank 1's first report was dropped)
+    assert problems == [f"{ONCE} x dp2-zero1 (fresh): FAILED: ValueError: 2nd\n"]
+    assert "exit code: -6" in m.crashes["dp2-zero1"][ONCE] and "Aborted" in m.crashes["dp2-zero1"][ONCE]
+    assert "(launched twice: a process ended without a report)" in m.table()
 
     launches.clear()
-    problems = Matrix(tmp_path / "again").run_layout("dp2-zero1", ["twice"])
+    problems = Matrix(tmp_path / "twice").run_layout("dp2-zero1", ["twice"])
     assert len(launches) == 2
     assert len(problems) == 1 and "ended without a report, twice" in problems[0], problems
+
+    launches.clear()
+    m = Matrix(tmp_path / "real")
+    problems = m.run_layout("dp2-zero1", ["real"])
+    assert len(launches) == 1 and not m.crashes  # the peer's own error: nothing to launch again
+    assert len(problems) == 1 and "failed differently" in problems[0] and "exit code: -6" in problems[0], problems
