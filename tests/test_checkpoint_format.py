@@ -568,11 +568,29 @@ def test_a_sharded_write_makes_its_index_last(tmp_path):
     assert not (tmp_path / ".metadata").exists()
 
 
-def test_ctrl_c_wrapped_by_dcp_is_raised_again():
+def test_dcp_failures_are_raised_as_errors_an_except_exception_catches(tmp_path, monkeypatch):
+    """DCP's CheckpointException is a BaseException: a failed read or write leaves the pack as a RuntimeError
+    naming each rank's failure (a user's ``except Exception`` sees it), Ctrl-C wrapped by DCP as itself."""
     from torch.distributed.checkpoint import CheckpointException
 
-    from lightning_hybrid.callbacks._writer import _raise_interrupts
+    from lightning_hybrid.checkpoint import _sharded
 
-    with pytest.raises(KeyboardInterrupt):
-        _raise_interrupts(CheckpointException("save", {0: (KeyboardInterrupt(), None)}))
-    _raise_interrupts(CheckpointException("save", {0: (OSError("disk"), None)}))  # a failed write: not raised
+    for folder in ("ok", "new"):
+        (tmp_path / folder).mkdir()
+    write_sharded(tmp_path / "ok", {"state_dict": {"w": torch.ones(2)}}, {"epoch": 0}, write_file=atomic_write)
+    cases = ((OSError(5, "Input/output error"), RuntimeError), (KeyboardInterrupt(), KeyboardInterrupt))
+    for wrapped, expected in cases:
+
+        def failing(*args, wrapped=wrapped, **kwargs):
+            raise CheckpointException("load", {0: (wrapped, None), 1: (ValueError("peer"), None)})
+
+        monkeypatch.setattr(_sharded.dcp, "load", failing)
+        monkeypatch.setattr(_sharded.dcp, "save", failing)
+        for act in (
+            lambda: read_sharded(tmp_path / "ok", {"state_dict": {"w": torch.zeros(2)}}),
+            lambda: write_sharded(tmp_path / "new", {"state_dict": {"w": torch.ones(2)}}, None, write_file=None),
+        ):
+            with pytest.raises(expected) as caught:
+                act()
+            if expected is RuntimeError:
+                assert "rank 0: OSError: [Errno 5] Input/output error; rank 1: ValueError: peer" in str(caught.value)

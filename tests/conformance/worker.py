@@ -161,7 +161,7 @@ def main() -> None:
             folder = root / name / run
             try:
                 results[name][run] = train(cfg, name, folder=folder, resume=resume)
-            except Exception as exc:  # a refusal: every rank must raise the same
+            except (Exception, SystemExit) as exc:  # a refusal (every rank must raise the same), or a signal's exit
                 results[name][run] = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()[-3000:]}
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / f"error-rank{RANK}.txt").write_text(traceback.format_exc())  # seen even if a rank hangs

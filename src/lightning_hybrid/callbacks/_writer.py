@@ -20,7 +20,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.checkpoint import CheckpointException
 
 from lightning_hybrid._agree import agree, distributed_ready
 from lightning_hybrid._lightning_compat import dump_checkpoint
@@ -143,10 +142,7 @@ class CheckpointWriter:
                     files.update(
                         write_sharded(folder.path, tensors, meta, process_group=group, write_file=self.write_file)
                     )
-                except CheckpointException as exc:  # a BaseException: "except Exception" would let it through
-                    _raise_interrupts(exc)  # DCP wraps Ctrl-C too: that stops the run, it is not a failed save
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                except Exception as exc:
+                except Exception as exc:  # DCP's failures arrive as RuntimeError (Ctrl-C as itself: it stops the run)
                     errors.append(f"{type(exc).__name__}: {exc}")
             try:
                 files[rank_file(rank)] = self.write_file(folder.path / rank_file(rank), _saver(per_rank))
@@ -225,13 +221,6 @@ class CheckpointWriter:
         kind: Kind = "sharded" if self.sharded else "file"
         payload = manifest_payload(step=write.step, kind=kind, world_size=trainer.world_size, files=files, info=info)
         atomic_write(write.folder.path / MANIFEST, lambda f: f.write(payload))
-
-
-def _raise_interrupts(exc: CheckpointException) -> None:
-    for failure in exc.failures.values():
-        cause = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(cause, (KeyboardInterrupt, SystemExit)):
-            raise cause
 
 
 def _version(name: str) -> int:

@@ -86,13 +86,16 @@ def write_sharded(
         except Exception as exc:  # a full disk: the other ranks are already in DCP's collectives, so go too
             failed = exc
     writer, fs = dcp_writer(path)
-    dcp.save(
-        tensors,
-        storage_writer=writer,
-        planner=FlatShardSavePlanner(),
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
+    try:
+        dcp.save(
+            tensors,
+            storage_writer=writer,
+            planner=FlatShardSavePlanner(),
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
+    except CheckpointException as exc:
+        raise plain_failure(exc, f"writing {path}") from exc
     if failed is not None:  # without meta.pt the folder is not whole: take its index away again
         (path / DCP_METADATA).unlink(missing_ok=True)
         raise failed
@@ -125,12 +128,22 @@ def read_sharded(
             no_dist=not dist.is_initialized() if no_dist is None else no_dist,
         )
     except CheckpointException as exc:
-        # DCP wraps each rank's failure; a refused value is the message that matters
-        failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]  # (exception, traceback)
-        unsafe = [e for e in failures if isinstance(e, UnsafeCheckpointError)]
-        if unsafe:
-            raise unsafe[0] from None
-        raise
+        raise plain_failure(exc, f"reading {path}") from exc
+
+
+def plain_failure(exc: CheckpointException, what: str) -> BaseException:
+    """What to raise for DCP's ``CheckpointException``, which wraps every rank's failure and is a
+    ``BaseException``: an ``except Exception`` (a user's, Lightning's callers', a job script's) would let it
+    through and end the process. Ctrl-C or a SystemExit it wraps is raised as itself (it stops the run; it
+    is not a failed checkpoint), a refused value as its own message, anything else as a ``RuntimeError``
+    naming each rank's failure."""
+    failures = {rank: f[0] if isinstance(f, tuple) else f for rank, f in exc.failures.items()}  # (error, traceback)
+    for wanted in ((KeyboardInterrupt, SystemExit), UnsafeCheckpointError):
+        found = [e for e in failures.values() if isinstance(e, wanted)]
+        if found:
+            return found[0]
+    detail = "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(failures.items()))
+    return RuntimeError(f"{what} failed: {detail}")
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
