@@ -48,6 +48,7 @@ class JobResult:
     returncode: int
     output: str
     reports: list[dict[str, Any]]
+    codes: list[int] | None = None  # each rank's exit status, by rank (ranks started here; not under torchrun)
 
     def rank(self, r: int) -> dict[str, Any]:
         return next(rep for rep in self.reports if rep["rank"] == r)
@@ -104,8 +105,8 @@ def _launch(
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(config))
     if not (torchrun or nnodes > 1 or max_restarts):
-        code, output = _run_ranks(WORKERS / script, cfg_path, nproc, timeout, env or {})
-        return _result(code, output, out, nproc, expect_success)
+        codes, output = _run_ranks(WORKERS / script, cfg_path, nproc, timeout, env or {})
+        return _result(max(codes, key=abs), output, out, nproc, expect_success, codes)
     port = free_port()
     procs = []
     for node in range(nnodes):
@@ -150,8 +151,9 @@ def _launch(
     return _result(max(codes, key=abs), "\n".join(outputs), out, nproc, expect_success)
 
 
-def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: dict[str, str]) -> tuple[int, str]:
-    """Start ``nproc`` ranks in one process group and supervise them as torchrun's agent does."""
+def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: dict[str, str]) -> tuple[list[int], str]:
+    """Start ``nproc`` ranks in one process group and supervise them as torchrun's agent does: each rank's exit
+    status (negative: the signal that ended it) and the ranks' output."""
     port = free_port()
     logs = [cfg_path.parent / f"rank{rank}.log" for rank in range(nproc)]
     procs: list = []
@@ -196,7 +198,7 @@ def _run_ranks(script: Path, cfg_path: Path, nproc: int, timeout: float, env: di
             running = any(p.poll() is None for p in procs)
         if procs and running:  # a live rank keeps the group's id from being reused: safe to signal
             _kill_group(procs[0])
-    return max(codes, key=abs), _read(logs)
+    return codes, _read(logs)
 
 
 _SERVERS: dict[int, forkserver.Server] = {}
@@ -247,13 +249,15 @@ def _read(logs: list[Path]) -> str:
     return "\n".join(log.read_text(errors="replace") for log in logs if log.exists())
 
 
-def _result(code: int, output: str, out: Path, nproc: int, expect_success: bool) -> JobResult:
+def _result(
+    code: int, output: str, out: Path, nproc: int, expect_success: bool, codes: list[int] | None = None
+) -> JobResult:
     if expect_success and code != 0:
         raise AssertionError(f"job failed with exit code {code}\n{output[-12000:]}")
     reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     if expect_success and len(reports) != nproc:
         raise AssertionError(f"expected {nproc} rank reports, got {len(reports)}\n{output[-8000:]}")
-    return JobResult(code, output, reports)
+    return JobResult(code, output, reports, codes)
 
 
 def _kill_group(p: subprocess.Popen) -> None:

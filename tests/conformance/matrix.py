@@ -84,8 +84,9 @@ class Matrix:
                 ended = [rank for rank in range(nproc) if s not in results[rank]]
                 if not ended:
                     continue
-                # how those processes ended: the launch's exit status and the end of their own logs
-                why = "; ".join(_ended(rank, job.returncode, Path(cfg["out"]) / f"rank{rank}.log") for rank in ended)
+                # how those processes ended: their exit status and the end of their own logs
+                codes = job.codes or [job.returncode] * nproc
+                why = "; ".join(_ended(rank, codes[rank], Path(cfg["out"]) / f"rank{rank}.log") for rank in ended)
                 told = [
                     run.get("error") for rank in range(nproc) if s in results[rank] for run in results[rank][s].values()
                 ]
@@ -281,7 +282,7 @@ _LOST_PEER = "Connection"
 
 
 def _ended(rank: int, returncode: int, log: Path) -> str:
-    """What a rank that ended in a cell without a report left: the launch's exit status (negative: the signal
-    that ended a process) and the end of the rank's log (a crash's stack: the workers enable faulthandler)."""
+    """What a rank that ended in a cell without a report left: its exit status (negative: the signal that ended
+    it) and the end of its log (a crash's stack: the workers enable faulthandler)."""
     tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
-    return f"rank {rank} ended without a report (the launch's exit code: {returncode}); its log ends:\n{tail}"
+    return f"rank {rank} ended without a report (exit code {returncode}); its log ends:\n{tail}"
