@@ -1,6 +1,6 @@
 """Step time against model size: every ZeRO stage relative to Lightning's DDP on 1M to 100M parameters.
 
-    python benchmarks/step_time.py                          # 2 CPU processes (gloo, fp32), about 45 minutes
+    python benchmarks/step_time.py                          # 2 CPU processes (gloo, fp32), about 60 minutes
     python benchmarks/step_time.py --sizes 1 10 --shapes large --repeats 1     # a quick look
     python benchmarks/step_time.py --revision 3c821b3       # the same sweep with that revision's package
 
