@@ -36,6 +36,7 @@ per 4 KiB touched again; on a GPU it would not.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -388,6 +389,21 @@ def _lockstep(
     return reports
 
 
+def _one_by_one(
+    cfg: dict[str, Any], order: list[str], k: int, seed: int = 0, build: Build = _gpt_and_data, warm_up: bool = False
+) -> dict[str, dict[str, Any]]:
+    """Every configuration of ``order`` fitted alone, one Trainer after the other (``_lockstep``'s signature;
+    ``seed`` is unused). ``warm_up``: first an untimed Trainer of the first, since the process's first Trainer
+    is slower (its heap grows, first calls are compiled or cached)."""
+    if warm_up:
+        _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[order[0]], 1, build=build)
+    reports = {}
+    for name in order:
+        gc.collect()  # the last Trainer's model and buffers (reference cycles) before this one builds its own
+        reports[name] = _fit(cfg, CONFIGS[name], k, build=build)
+    return reports
+
+
 def worker(cfg: dict[str, Any]) -> None:
     """One round: every configuration of ``cfg["configs"]`` with every ``cfg["accumulation"]`` in this one job
     (the order rotated by ``cfg["shift"]``, so that a position's bias falls on every configuration alike over
@@ -415,8 +431,10 @@ def worker(cfg: dict[str, Any]) -> None:
             reports = _lockstep(cfg, order, k, seed=shift)
             runs += [{"k": k, "name": name, **reports[name]} for name in names]
     else:
-        _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1)  # untimed (see above)
-        runs = [{"k": k, "name": name, **_fit(cfg, CONFIGS[name], k)} for k in cfg["accumulation"] for name in order]
+        runs = []
+        for k in cfg["accumulation"]:
+            reports = _one_by_one(cfg, order, k, warm_up=not runs)
+            runs += [{"k": k, "name": name, **reports[name]} for name in order]
     rank = dist.get_rank() if dist.is_initialized() else 0
     report: dict[str, Any] = {"rank": rank, "psi": psi, "runs": runs, "communication": {}}
     if cfg["devices"] > 1:

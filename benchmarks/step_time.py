@@ -192,7 +192,7 @@ def worker(cfg: dict[str, Any]) -> None:
     if cfg.get("tree"):  # an earlier revision's package, ahead of the installed one
         sys.path.insert(0, str(Path(cfg["tree"]) / "src"))
     import torch.distributed as dist
-    from overlap import CONFIGS, _fit, _lockstep
+    from overlap import _lockstep, _one_by_one
 
     import lightning_hybrid
 
@@ -204,16 +204,9 @@ def worker(cfg: dict[str, Any]) -> None:
     names, shift = cfg["configs"], cfg["shift"] % len(cfg["configs"])
     order = names[shift:] + names[:shift]
     runs = []
-    if cfg["interleave"] == "trainers":
-        # the process's first Trainer is slower (its heap grows, first calls are compiled or cached): untimed
-        _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[names[0]], 1, build=_mlp_and_data)
-        gc.collect()
     for k in cfg["accumulation"]:
         if cfg["interleave"] == "trainers":
-            reports = {}
-            for name in order:
-                reports[name] = _fit(cfg, CONFIGS[name], k, build=_mlp_and_data)
-                gc.collect()  # this Trainer's model and buffers (reference cycles) before the next one's
+            reports = _one_by_one(cfg, order, k, build=_mlp_and_data, warm_up=not runs)
         else:
             reports = _lockstep(cfg, order, k, seed=cfg["shift"], build=_mlp_and_data)
         runs += [{"k": k, "name": name, "step_time": reports[name]["step_time"]} for name in names]
