@@ -41,6 +41,10 @@ FAMILIES = {
         "shared_expert_intermediate_size": 16,
     },
     "qwen2": SMALL,
+    # input and output embeddings tied (Qwen2-0.5B, Llama 3.2 1B): under tensor parallelism the embedding is split
+    # by vocabulary as the head is, one slice of the one parameter on each rank
+    "llama+tied": {**SMALL, "tie_word_embeddings": True},
+    "qwen2+tied": {**SMALL, "tie_word_embeddings": True},
     "mistral": {**SMALL, "sliding_window": 4},
     "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
     "gpt2": {
@@ -62,9 +66,14 @@ STEPS, GLOBAL_BATCH, LR = 4, 8, 0.01
 def hf_config(family: str, attn: str) -> Any:
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(family, **FAMILIES[family])
+    config = AutoConfig.for_model(model_type(family), **FAMILIES[family])
     config._attn_implementation = attn
     return config
+
+
+def model_type(family: str) -> str:
+    """transformers' model type of a ``FAMILIES`` key (``llama+tied`` is a Llama)."""
+    return family.split("+")[0]
 
 
 def reference(family: str, attn: str, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -94,7 +103,7 @@ def reference_model(family: str, attn: str) -> Any:
 
 def _cfg(tmp: Path, family: str, attn: str, strategy: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {
-        "family": family, "config": FAMILIES[family], "attn": attn, "strategy": strategy, "steps": STEPS,
+        "family": model_type(family), "config": FAMILIES[family], "attn": attn, "strategy": strategy, "steps": STEPS,
         "lr": LR, "global_batch": GLOBAL_BATCH, "out": str(tmp / "out"), "save": str(tmp / "ckpt"), **extra,
     }  # fmt: skip
 
@@ -126,7 +135,10 @@ def _check(result, ref: tuple[list[float], dict[str, torch.Tensor]], checkpoint:
 
 # Every default-tier case starts from a save_pretrained folder of the reference's initial weights (meta-built,
 # GPT-2's tied embeddings on the host), read by the strategy; the slow Mixtral case builds from the config.
-SLICED_READS = {"llama-pp2-1f1b-4mb-eager", "qwen2-dp2-zero3-sdpa", "mistral-interleaved-4-stages"}
+SLICED_READS = {
+    "llama-pp2-1f1b-4mb-eager", "qwen2-dp2-zero3-sdpa", "mistral-interleaved-4-stages", "llama-tp2-eager",
+    "llama-tied-tp2-eager",
+}  # fmt: skip
 CASES = {
     "llama-pp2-1f1b-4mb-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, num_microbatches=4), 2),
     "qwen2-dp2-zero3-sdpa": ("qwen2", "sdpa", _hybrid(zero_stage=3), 2),
@@ -140,6 +152,7 @@ CASES = {
     # tensor parallelism from the model's own base_model_tp_plan: GQA (4 query heads, 2 key/value heads) split
     # over 2 ranks keeps 2 query heads and 1 key/value head on each; the head's logits gathered
     "llama-tp2-eager": ("llama", "eager", _hybrid(tensor_parallel_size=2), 2),
+    "llama-tied-tp2-eager": ("llama+tied", "eager", _hybrid(tensor_parallel_size=2), 2),
     "llama-deepspeed-pp2": (
         "llama",
         "eager",
@@ -151,6 +164,13 @@ SLOW_CASES = {
     # both families at every tensor-parallel layout: tp2, pp2 x tp2 and dp2 x tp2 at ZeRO-1/2/3
     "qwen2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(tensor_parallel_size=2), 2),
     "qwen2-pp2-tp2-sdpa": ("qwen2", "sdpa", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
+    # the tied embedding and head on different stages, each split by vocabulary
+    "qwen2-tied-pp2-tp2-sdpa": (
+        "qwen2+tied",
+        "sdpa",
+        _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2),
+        4,
+    ),
     "llama-pp2-tp2-eager": ("llama", "eager", _hybrid(pipeline_parallel_size=2, tensor_parallel_size=2), 4),
     **{
         f"{family}-dp2-tp2-zero{stage}-{attention}": (
@@ -207,9 +227,11 @@ def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
         held = [result.rank(r)["held"] for r in range(nproc)]
         pp = strategy["kwargs"].get("pipeline_parallel_size", 1)
         assert max(held) < (0.7 if pp == 1 else 0.45) * n, (held, n)  # unsplit: 1.0, or the larger stage's 0.65
-        # every rank's split blocks (a decoder layer, the head) ran whole on their first input: the same outputs
+        # every rank's split blocks (a decoder layer, the head, a tied embedding) ran whole on their first input:
+        # the same outputs
         checked = [result.rank(r)["plan_checked"] for r in range(nproc)]
-        assert all(checked) and any(len(c) == 2 for c in checked), checked
+        kinds = 3 if FAMILIES[family].get("tie_word_embeddings") and pp == 1 else 2  # a stage: 2 at most at pp2
+        assert all(checked) and any(len(c) == kinds for c in checked), checked
     if case in SLICED_READS:  # each rank read its stages' tensors (pp2) or its rows (ZeRO-3): the file once
         from safetensors import safe_open
 
@@ -370,6 +392,7 @@ def test_the_models_own_tensor_parallel_plan_and_its_refusals():
     """Each block's plan comes from the config's base_model_tp_plan, inside the cut's names; sizes that do not
     split whole heads, and models without a plan, are refused with the values and what to do."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import AutoConfig
 
     from lightning_hybrid.models._hf_tp import hf_tensor_parallel_plan
 
@@ -388,6 +411,16 @@ def test_the_models_own_tensor_parallel_plan_and_its_refusals():
         ValueError, match=r"tensor_parallel_size=4 must divide the llama config's num_key_value_heads \(2\)"
     ):
         hf_tensor_parallel_plan(llama.config, blocks[1], 4)
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=4 must divide the llama config's num_attention_heads \(6\)"
+    ):  # the query heads, checked first
+        wide = CausalLM(AutoConfig.for_model("llama", **{**SMALL, "num_attention_heads": 6, "num_key_value_heads": 6,
+                                                          "hidden_size": 48}))  # fmt: skip
+        hf_tensor_parallel_plan(wide.config, list(wide.layers)[1], 4)
+    tied = CausalLM(hf_config("llama+tied", "sdpa"))  # a tied embedding is split by vocabulary, as its head
+    assert {k: type(v) for k, v in hf_tensor_parallel_plan(tied.config, tied.layers[0], 2).items()} == {
+        "embed_tokens": RowwiseParallel
+    }
     gpt2 = CausalLM(hf_config("gpt2", "sdpa"))
     with pytest.raises(ValueError, match="the gpt2 config has no base_model_tp_plan"):
         hf_tensor_parallel_plan(gpt2.config, list(gpt2.layers)[1], 2)

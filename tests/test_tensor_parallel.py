@@ -496,3 +496,44 @@ def test_whole_parameters_that_drift_apart_between_peers_are_refused_on_every_ra
     want = "After step 1, parameters the tensor-parallel plan keeps whole differ between tensor-parallel peers:"
     assert all(want in e and "layers.1.ln_1.weight" in e for e in errors), errors
     assert errors[0] == errors[1]
+
+
+def test_a_plan_splitting_a_size_the_tensor_parallel_size_does_not_divide_is_refused_with_the_values():
+    """Each kind of split dimension, checked before any block is split: a column-wise Linear's outputs, a
+    row-wise Linear's inputs, an embedding's vocabulary (rows) or width (columns)."""
+    import re
+
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_hybrid.strategies.tensor import TensorPlans
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.token = nn.Embedding(10, 6)
+            self.up = nn.Linear(6, 9)
+            self.down = nn.Linear(9, 6)
+
+    class Model(nn.Module):
+        def __init__(self, plan: dict) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(Block())
+            self.plan = plan
+
+        def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict:
+            return self.plan
+
+    cases = {
+        "up": (ColwiseParallel(), "does not divide layers.0.up.out_features (9) that ColwiseParallel splits"),
+        "down": (RowwiseParallel(), "does not divide layers.0.down.in_features (9) that RowwiseParallel splits"),
+        "token": (RowwiseParallel(), "does not divide layers.0.token.num_embeddings (10) that RowwiseParallel"),
+    }
+    for key, (style, message) in cases.items():
+        with pytest.raises(ValueError, match=re.escape(f"tensor_parallel_size=4 {message}") + r".* Choose a"):
+            TensorPlans(Model({key: style}), 4)
+    with pytest.raises(ValueError, match=r"does not divide layers\.0\.token\.embedding_dim \(6\) that ColwiseParallel"):
+        TensorPlans(Model({"token": ColwiseParallel()}), 4)
+    # sizes it divides pass, and each split dimension is recorded
+    plans = TensorPlans(Model({"up": ColwiseParallel(), "down": RowwiseParallel()}), 3)
+    assert plans.splits["layers.0.up.weight"] == 0 and plans.splits["layers.0.down.weight"] == 1
