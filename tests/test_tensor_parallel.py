@@ -174,9 +174,16 @@ def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
     out of each, an all-gather into the next; the norms' gradients summed over the positions' ranks); across
     pipeline stages the hidden states travel split by sequence."""
     model = {"sequence_parallel": True}
-    job = _run_layout(tmp_path, kwargs, nproc=nproc, model=model, trainer={"accumulate_grad_batches": 2}, accumulate=2)
+    job = _run_layout(
+        tmp_path, kwargs, nproc=nproc, model=model, trainer={"accumulate_grad_batches": 2}, accumulate=2, norm_rows=True
+    )
     # the blocks, run whole on their first input (gathered along the sequence), gave what the split ones give
     assert all(job.rank(r)["plan_checked"] for r in range(nproc))
+    # and the norms did run on half the positions on each rank (without sequence parallelism: all of them)
+    half = 16 // 2  # the test model's block_size (workers/common.py)
+    assert all(job.rank(r)["norm_rows"] == [half] for r in range(nproc)), [
+        job.rank(r)["norm_rows"] for r in range(nproc)
+    ]
 
 
 @pytest.mark.multiproc

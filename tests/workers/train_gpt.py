@@ -108,6 +108,17 @@ def main(cfg: dict[str, Any]) -> None:
             return loss
 
         model.pipeline_loss = counted_loss
+    norm_rows: set[int] = set()
+    if cfg.get("norm_rows"):  # how many sequence positions each block's first norm computes on, on this rank
+
+        def rows(module, args, output):
+            if module.training:  # not the plan check's whole run of a block (eval mode)
+                local = output.to_local() if hasattr(output, "to_local") else output
+                norm_rows.add(int(local.shape[1]))
+
+        for block in model.layers:
+            if hasattr(block, "ln_1"):
+                block.ln_1.register_forward_hook(rows)
     params = dict(model.named_parameters())
     for name, value in cfg.get("param_attributes", {}).items():  # a flag set on a parameter before set-up
         params[name].lightning_hybrid_test_flag = value  # (the whole model: every rank builds it all)
@@ -116,6 +127,8 @@ def main(cfg: dict[str, Any]) -> None:
     report: dict[str, Any] = {"rank": rank(), "losses": recorder.losses, "global_step": trainer.global_step}
     if cfg.get("count_loss_comms"):
         report["loss_comms"] = seen
+    if cfg.get("norm_rows"):
+        report["norm_rows"] = sorted(norm_rows)
     if cfg.get("refreeze"):  # how far the block frozen mid-training moved since (it must not)
         now = dict(model.layers[cfg["refreeze"]["freeze"]].named_parameters())
         report["moved_after_freeze"] = max(float((now[n] - v).abs().max()) for n, v in recorder.frozen_at.items())
