@@ -153,6 +153,18 @@ MUTATIONS = [
         ("unused-everywhere", "routed-experts"),
     ),
     Mutation(
+        "tp-whole-counted-on-every-rank",
+        "Tensor parallelism: the global gradient norm counts a parameter every tensor-parallel rank holds whole"
+        " once per rank (a norm too large: clipped too much)",
+        "strategies/zero/grad_sync.py",
+        '        """``grads`` (as the optimizer sees them) less the parts another tensor-parallel rank counts."""\n'
+        "        if self._counts_whole:\n",
+        '        """``grads`` (as the optimizer sees them) less the parts another tensor-parallel rank counts."""\n'
+        "        if True:\n",
+        ("tp2",),
+        ("clip-norm",),
+    ),
+    Mutation(
         "edited-gradient-not-averaged",
         "ZeRO-0: a gradient user code assigned after the reduction is stepped as this replica holds it",
         "strategies/zero/replicated.py",

@@ -90,7 +90,14 @@ class Fp16Scaled(Shape):
 
 class ClipNorm(_Plain):
     """``gradient_clip_val`` by the norm, small enough to clip every step (the norm of the whole model's
-    gradient, over every stage and shard)."""
+    gradient, over every stage and shard; a LayerNorm that tensor parallelism keeps whole on every rank counts
+    once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+        )
 
     def trainer_kwargs(self, reference: bool = False) -> dict[str, Any]:
         return {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
