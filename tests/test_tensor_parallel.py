@@ -15,14 +15,20 @@ CLIP = {"trainer": {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}, "ac
 
 
 # the tp2 case in the default run, the pp2 x tp2 one (4 processes) in the slow tier
-TP2_AND_PP2_TP2 = pytest.mark.parametrize(
-    ("kwargs", "nproc"),
-    [
-        ({"tensor_parallel_size": 2}, 2),
-        pytest.param({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, marks=pytest.mark.slow),
-    ],
-    ids=["tp2", "pp2-tp2"],
-)
+TP2_AND_PP2_TP2 = [
+    ({"tensor_parallel_size": 2}, 2),
+    pytest.param({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, marks=pytest.mark.slow),
+]
+
+
+def _and_dp2_tp2(zero_stage: int):
+    """tp2, pp2 x tp2 and dp2 x tp2 at ``zero_stage`` (the four-process ones in the slow tier)."""
+    dp2 = {"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": zero_stage}
+    return pytest.mark.parametrize(
+        ("kwargs", "nproc"),
+        [*TP2_AND_PP2_TP2, pytest.param(dp2, 4, marks=pytest.mark.slow)],
+        ids=["tp2", "pp2-tp2", f"dp2-tp2-zero{zero_stage}"],
+    )
 
 
 def _whole_numel(model=None) -> int:
@@ -98,7 +104,7 @@ def test_dp2_tp2_every_zero_stage_matches_single_process(tmp_path, zero_stage):
 
 
 @pytest.mark.multiproc
-@TP2_AND_PP2_TP2
+@_and_dp2_tp2(zero_stage=2)
 def test_tied_vocabulary_parallel_embedding_and_head_match_single_process(tmp_path, kwargs, nproc):
     """The token embedding (row-wise: vocabulary-parallel) and the output head (column-wise) are one tied
     parameter split the same way; across pipeline stages each tensor-parallel slice sums with its own."""
@@ -112,10 +118,11 @@ def test_tied_vocabulary_parallel_embedding_and_head_match_single_process(tmp_pa
     ("kwargs", "nproc"),
     [
         ({"tensor_parallel_size": 2}, 2),
+        pytest.param({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, 4, marks=pytest.mark.slow),
         pytest.param({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 2}, 4, marks=pytest.mark.slow),
         ({"data_parallel_size": 2, "tensor_parallel_size": 2, "zero_stage": 3}, 4),
     ],
-    ids=["tp2", "dp2-tp2-zero2", "dp2-tp2-zero3"],
+    ids=["tp2", "pp2-tp2", "dp2-tp2-zero2", "dp2-tp2-zero3"],
 )
 def test_lamb_trust_ratios_over_tensor_parallel_slices_match_single_process(tmp_path, kwargs, nproc):
     """LAMB's per-tensor norms are over the whole tensor: slices summed over the tensor-parallel group (and
@@ -168,7 +175,7 @@ def test_checkpoint_chain_across_tensor_parallel_degrees_matches_uninterrupted_r
 
 
 @pytest.mark.multiproc
-@TP2_AND_PP2_TP2
+@_and_dp2_tp2(zero_stage=1)
 def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
     """The norms and the residual stream split by sequence position between the split layers (a reduce-scatter
     out of each, an all-gather into the next; the norms' gradients summed over the positions' ranks); across
@@ -187,7 +194,7 @@ def test_sequence_parallelism_matches_single_process(tmp_path, kwargs, nproc):
 
 
 @pytest.mark.multiproc
-@TP2_AND_PP2_TP2
+@_and_dp2_tp2(zero_stage=3)
 def test_vocabulary_parallel_loss_matches_single_process(tmp_path, kwargs, nproc):
     """The head's logits stay split by vocabulary (a DTensor) and the cross-entropy is computed on the split,
     forward and backward under torch's loss_parallel (run by the strategy): the same losses and weights as
