@@ -7,7 +7,9 @@ nothing else: transformers' attention reads the head count from the projection's
 head_dim)``) and repeats key/value heads by their ratio, which a split by whole heads keeps. The head is split
 by vocabulary with its logits gathered (transformers' ``lm_head: colwise_gather_output``); the token embedding
 stays whole, as transformers keeps it, unless it is tied to the head: then it is split by vocabulary too
-(``RowwiseParallel``), so the tied parameter is one slice on each rank.
+(``RowwiseParallel``), so the tied parameter is one slice on each rank. A key naming a module a layer does not
+have is passed over, as transformers passes it over (Qwen2-MoE's ``mlp.gate_proj`` in its sparse layers, whose
+experts then stay whole on every rank); a layer none of whose modules the plan names is refused.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from lightning_hybrid.models._hf_cut import DecoderBlock, Head, TokenEmbedding
+from lightning_hybrid.strategies.tensor.plan import plan_targets
 
 __all__ = ["hf_tensor_parallel_plan"]
 
@@ -61,9 +64,16 @@ def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[st
     if not isinstance(block, DecoderBlock):
         raise ValueError(f"tensor_parallel_size={size}: {kind} blocks of type {type(block).__name__} have no plan.")
     out: dict[str, ParallelStyle] = {}
+    absent = []
     for key, style in plan.items():
         if not key.startswith("layers.*."):
             continue  # outside the decoder layers (transformers names none there for the families cut here)
+        name = "layer." + key[len("layers.*.") :]
+        if not plan_targets(block, name):
+            # as transformers applies its plan: a key no module of this layer has is passed over (a sparse MoE
+            # layer has no mlp.gate_proj, its dense layers do): that part stays whole on every rank, exactly
+            absent.append(name)
+            continue
         if style in _WHOLE:
             continue
         if style not in STYLES:
@@ -72,5 +82,12 @@ def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[st
                 f" translate into torch's parallel styles (it knows {sorted(STYLES)}). Use tensor_parallel_size=1,"
                 " or return your own plan from a CausalLM subclass's tensor_parallel_plan(name, block)."
             )
-        out["layer." + key[len("layers.*.") :]] = STYLES[style]()
+        out[name] = STYLES[style]()
+    if absent and not out:  # not one key fits: the plan does not describe this model's layers at all
+        inside = ", ".join(n for n, _ in block.named_modules() if n)
+        raise ValueError(
+            f"tensor_parallel_size={size}: the {kind} config's base_model_tp_plan names none of this decoder"
+            f" layer's modules ({', '.join(absent)}; the layer has {inside}). Use tensor_parallel_size=1, or return"
+            " your own plan from a CausalLM subclass's tensor_parallel_plan(name, block)."
+        )
     return out

@@ -38,7 +38,7 @@ from lightning_hybrid.strategies._params import attributes_kept
 from lightning_hybrid.strategies.tensor.check import PlanCheck
 from lightning_hybrid.strategies.tensor.local import localize
 
-__all__ = ["SequenceCheck", "TensorPlans", "UnevenSequence", "plan_blocks"]
+__all__ = ["SequenceCheck", "TensorPlans", "UnevenSequence", "plan_blocks", "plan_targets"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [("", module)]
 
 
-def _matches(block: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+def plan_targets(block: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
     """The submodules of ``block`` a plan key names, as ``parallelize_module`` resolves it (``""``: the block)."""
     found = [("", block)]
     if not key:
@@ -102,7 +102,7 @@ class TensorPlans:
                     f" style for the block itself; got {plan!r}."
                 )
             for key, style in plan.items():
-                targets = _matches(block, key)
+                targets = plan_targets(block, key)
                 if not targets:
                     inside = ", ".join(n for n, _ in block.named_modules() if n) or "none"
                     raise ValueError(
@@ -204,7 +204,7 @@ def _check_scattered_sequence(
             dim, of_input = wanted.dim, True
     if dim is None:
         return False
-    for sub_name, sub in _matches(block, key):  # the modules parallelize_module splits for this key
+    for sub_name, sub in plan_targets(block, key):  # the modules parallelize_module splits for this key
         name = f"{block_name}.{sub_name}".strip(".")
         # an embedding's input has no feature dimension; a linear layer's last one is the features
         shared = of_input or isinstance(sub, nn.Embedding)
