@@ -44,6 +44,16 @@ FAMILIES = {
     # input and output embeddings tied (Qwen2-0.5B, Llama 3.2 1B): under tensor parallelism the embedding is split
     # by vocabulary as the head is, one slice of the one parameter on each rank
     "llama+tied": {**SMALL, "tie_word_embeddings": True},
+    # one dense decoder layer among sparse ones: the model's own plan splits its MLP, and not the experts' (the
+    # first: with the second, rounding alone, a row-wise layer's sum in two halves, moves AdamW's weights 3e-4)
+    "qwen2_moe+mixed": {
+        **SMALL,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "mlp_only_layers": [0],
+    },
     "qwen2+tied": {**SMALL, "tie_word_embeddings": True},
     "mistral": {**SMALL, "sliding_window": 4},
     "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2},
@@ -198,8 +208,9 @@ SLOW_CASES = {
         _hybrid(data_parallel_size=2, tensor_parallel_size=2, zero_stage=1),
         4,
     ),
-    # the model's plan names mlp.gate_proj, which its sparse layers do not have: their experts stay whole
-    "qwen2_moe-tp2-eager": ("qwen2_moe", "eager", _hybrid(tensor_parallel_size=2), 2),
+    # the model's plan names mlp.gate_proj, which its sparse layers do not have: their experts stay whole, the
+    # dense layer's MLP splits
+    "qwen2_moe-mixed-tp2-eager": ("qwen2_moe+mixed", "eager", _hybrid(tensor_parallel_size=2), 2),
     "mixtral-pp2-dp2-zero1": ("mixtral", "eager", _hybrid(pipeline_parallel_size=2, zero_stage=1), 4),
 }
 
@@ -229,13 +240,19 @@ def test_causal_lm_trains_as_transformers_itself(tmp_path, case):
         held = [result.rank(r)["held"] for r in range(nproc)]
         pp = strategy["kwargs"].get("pipeline_parallel_size", 1)
         # unsplit: 1.0, or the larger stage's 0.65; a sparse MoE layer's experts stay whole (the model's own plan)
-        limit = 0.95 if family == "qwen2_moe" else 0.7 if pp == 1 else 0.45
+        limit = 0.95 if family.startswith("qwen2_moe") else 0.7 if pp == 1 else 0.45
         assert max(held) < limit * n, (held, n)
         # every rank's split blocks (a decoder layer, the head, a tied embedding) ran whole on their first input:
         # the same outputs
         checked = [result.rank(r)["plan_checked"] for r in range(nproc)]
-        kinds = 3 if FAMILIES[family].get("tie_word_embeddings") and pp == 1 else 2  # a stage: 2 at most at pp2
+        tied = FAMILIES[family].get("tie_word_embeddings")
+        # a stage: 2 at most at pp2; a dense and a sparse decoder layer are two kinds
+        kinds = 3 if (tied or "mlp_only_layers" in FAMILIES[family]) and pp == 1 else 2
         assert all(checked) and any(len(c) == kinds for c in checked), checked
+        if tied:  # the embedding's split block (the first) too, on its stage
+            assert any("layers.0" in c for c in checked), checked
+        if family.startswith("qwen2_moe"):  # what the model's plan passes over is said
+            assert "kept whole on every tensor-parallel rank there, as transformers does" in result.output
     if case in SLICED_READS:  # each rank read its stages' tensors (pp2) or its rows (ZeRO-3): the file once
         from safetensors import safe_open
 
@@ -427,6 +444,11 @@ def test_the_models_own_tensor_parallel_plan_and_its_refusals():
     }
     moe = CausalLM(hf_config("qwen2_moe", "sdpa"))  # its plan's mlp keys name no module of a sparse layer
     assert set(hf_tensor_parallel_plan(moe.config, moe.layers[1], 2)) == {f"layer.self_attn.{p}_proj" for p in "qkvo"}
+    mixed = CausalLM(hf_config("qwen2_moe+mixed", "sdpa"))  # decoder layer 0 (block 1) dense, the others sparse
+    passed_over: set[str] = set()
+    assert len(hf_tensor_parallel_plan(mixed.config, mixed.layers[1], 2, passed_over)) == 7 and not passed_over
+    assert len(hf_tensor_parallel_plan(mixed.config, mixed.layers[2], 2, passed_over)) == 4
+    assert passed_over == {f"layer.mlp.{p}_proj" for p in ("gate", "up", "down")}
     moe.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "colwise"}  # no key fits the layer at all
     with pytest.raises(ValueError, match=r"base_model_tp_plan names none of this decoder layer's modules"):
         hf_tensor_parallel_plan(moe.config, moe.layers[1], 2)

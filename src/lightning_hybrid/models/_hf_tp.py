@@ -39,8 +39,11 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 _WHOLE = {"replicate"}  # kept whole on every tensor-parallel rank
 
 
-def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[str, ParallelStyle]:
-    """The plan of one block of a cut Hugging Face model for ``size`` tensor-parallel ranks."""
+def hf_tensor_parallel_plan(
+    config: Any, block: nn.Module, size: int, passed_over: set[str] | None = None
+) -> dict[str, ParallelStyle]:
+    """The plan of one block of a cut Hugging Face model for ``size`` tensor-parallel ranks; the plan's keys this
+    block has no module for are added to ``passed_over``."""
     kind = getattr(config, "model_type", type(config).__name__)
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
@@ -64,7 +67,7 @@ def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[st
     if not isinstance(block, DecoderBlock):
         raise ValueError(f"tensor_parallel_size={size}: {kind} blocks of type {type(block).__name__} have no plan.")
     out: dict[str, ParallelStyle] = {}
-    absent = []
+    absent, fits = [], 0
     for key, style in plan.items():
         if not key.startswith("layers.*."):
             continue  # outside the decoder layers (transformers names none there for the families cut here)
@@ -74,6 +77,7 @@ def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[st
             # layer has no mlp.gate_proj, its dense layers do): that part stays whole on every rank, exactly
             absent.append(name)
             continue
+        fits += 1
         if style in _WHOLE:
             continue
         if style not in STYLES:
@@ -83,7 +87,9 @@ def hf_tensor_parallel_plan(config: Any, block: nn.Module, size: int) -> dict[st
                 " or return your own plan from a CausalLM subclass's tensor_parallel_plan(name, block)."
             )
         out[name] = STYLES[style]()
-    if absent and not out:  # not one key fits: the plan does not describe this model's layers at all
+    if passed_over is not None:
+        passed_over.update(absent)
+    if absent and not fits:  # not one key fits: the plan does not describe this model's layers at all
         inside = ", ".join(n for n, _ in block.named_modules() if n)
         raise ValueError(
             f"tensor_parallel_size={size}: the {kind} config's base_model_tp_plan names none of this decoder"

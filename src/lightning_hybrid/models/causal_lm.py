@@ -217,7 +217,17 @@ class CausalLM(pl.LightningModule):
     def tensor_parallel_plan(self, name: str, block: nn.Module) -> dict[str, Any]:
         """Each block's split under ``HybridParallelStrategy(tensor_parallel_size=T)``: the model's own
         ``config.base_model_tp_plan`` (see :mod:`lightning_hybrid.models._hf_tp`)."""
-        return hf_tensor_parallel_plan(self.config, block, self.device_mesh["tensor_parallel"].size())
+        passed_over: set[str] = set()
+        plan = hf_tensor_parallel_plan(self.config, block, self.device_mesh["tensor_parallel"].size(), passed_over)
+        told = self.__dict__.setdefault("_tp_passed_over_told", set())
+        new = sorted(passed_over - told)  # told once per key: a sparse MoE model passes over its MLP keys everywhere
+        if new:
+            rank_zero_info(
+                f"CausalLM: the {self.config.model_type} tensor-parallel plan names {', '.join(new)}, which {name}"
+                " does not have: kept whole on every tensor-parallel rank there, as transformers does"
+            )
+            told.update(new)
+        return plan
 
     def forward(self, input_ids: Tensor, attention_mask: Union[Tensor, None] = None) -> Tensor:
         """Logits, running the blocks in order (what a pipeline runs stage by stage)."""
