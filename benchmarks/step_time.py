@@ -148,7 +148,7 @@ def _trace(cfg: dict[str, Any]) -> dict[str, Any]:
 
     import lightning as L
     import torch
-    from overlap import CONFIGS, _strategy
+    from overlap import CONFIGS, _extra_reductions, _strategy
 
     k, last = cfg["k"], cfg["steps"] - 1
 
@@ -179,7 +179,8 @@ def _trace(cfg: dict[str, Any]) -> dict[str, Any]:
         trainer = L.Trainer(
             accelerator="cpu", strategy=_strategy({**cfg, "strategy": spec}), devices=cfg["devices"],
             max_steps=cfg["steps"], accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            callbacks=[probe, *([_extra_reductions(k)] if spec == "ddp+reduce-scatters" else [])],
         )  # fmt: skip
         trainer.fit(model, train_dataloaders=loader)
         out[name] = {"faults": probe.faults[cfg["warmup"] :], "table": probe.table}
@@ -261,15 +262,21 @@ def _plot(results: dict[str, Any], before: dict[str, Any] | None, path: Path) ->
     fig.savefig(path, dpi=90)
 
 
-TRACED = ["DDP (Lightning)", "hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch"]
+TRACED = [
+    "DDP (Lightning)", "hybrid ZeRO-0", "hybrid ZeRO-1", "hybrid ZeRO-2 every_microbatch",
+    "DDP + ZeRO-2's extra reduce-scatters",
+]  # fmt: skip
 
 
 def _run_trace(args: argparse.Namespace, tree: Path | None, work: Path) -> None:
-    model = shape_of("large", args.trace)
-    psi = model["depth"] * 8 * model["width"] ** 2
+    shape = args.trace_shape
+    model = shape_of(shape, args.trace)
+    width, depth, norms = model["width"], model["depth"], model["norms"]
+    psi = depth * (8 * width**2 + norms * 7 * width)  # two matrices; their biases and a LayerNorm (small shape)
+    tensors = depth * (2 + norms * 4)
     lines = [
         f"# one step of each, traced: 2 CPU processes, residual MLP of {psi / 1e6:.1f}M parameters in"
-        f" {model['depth'] * 2} tensors ({psi * 4 / 2**20:.0f} MiB fp32), fused AdamW, per-rank micro-batch"
+        f" {tensors} tensors ({psi * 4 / 2**20:.0f} MiB fp32), fused AdamW, per-rank micro-batch"
         f" {args.batch_size}, {'revision ' + args.revision if args.revision else 'the working tree'}",
         "",
         "minor page faults per optimizer step (rank 0, median of the steps after warm-up; a fault is a 4 KiB page"
@@ -292,7 +299,7 @@ def _run_trace(args: argparse.Namespace, tree: Path | None, work: Path) -> None:
     for name in TRACED:
         f = faults[name]
         lines.append(f"| {name} | {f[1]:.0f} | {f[4]:.0f} | {f[1] * 4 / 1024:.0f} | {f[4] * 4 / 1024:.0f} |")
-    suffix = f"_{args.revision}" if args.revision else ""
+    suffix = ("_small" if shape == "small" else "") + (f"_{args.revision}" if args.revision else "")
     publish(lines + tables, args.out, f"step_time_trace_cpu{suffix}.txt")
 
 
@@ -329,6 +336,10 @@ def main() -> None:
         "--trace", type=int, default=None, metavar="MILLIONS",
         help="instead of the sweep: page faults per step and the operators of one step of DDP and ZeRO-0/1/2 on"
         " the large-tensor model of this size, each fitted alone (step_time_trace_cpu*.txt)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-shape", choices=["large", "small"], default="large",
+        help="the model --trace runs: a few large tensors, or many small ones (step_time_trace_cpu_small*.txt)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.worker is not None:
