@@ -69,6 +69,7 @@ class CausalLM(pl.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.folder: Union[Path, None] = None
         self._converted = False  # the folder was read by transformers' own loader (see below)
+        self._passed_over_told: set[str] = set()  # the tensor-parallel plan's keys said to be passed over
         if isinstance(model, (str, os.PathLike)):
             self.folder = Path(model)
             if not (self.folder / "config.json").is_file():
@@ -219,7 +220,7 @@ class CausalLM(pl.LightningModule):
         ``config.base_model_tp_plan`` (see :mod:`lightning_hybrid.models._hf_tp`)."""
         passed_over: set[str] = set()
         plan = hf_tensor_parallel_plan(self.config, block, self.device_mesh["tensor_parallel"].size(), passed_over)
-        told = self.__dict__.setdefault("_tp_passed_over_told", set())
+        told = self._passed_over_told
         new = sorted(passed_over - told)  # told once per key: a sparse MoE model passes over its MLP keys everywhere
         if new:
             rank_zero_info(
