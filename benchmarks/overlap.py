@@ -390,11 +390,11 @@ def _lockstep(
 
 
 def _one_by_one(
-    cfg: dict[str, Any], order: list[str], k: int, seed: int = 0, build: Build = _gpt_and_data, warm_up: bool = False
+    cfg: dict[str, Any], order: list[str], k: int, build: Build = _gpt_and_data, warm_up: bool = False
 ) -> dict[str, dict[str, Any]]:
-    """Every configuration of ``order`` fitted alone, one Trainer after the other (``_lockstep``'s signature;
-    ``seed`` is unused). ``warm_up``: first an untimed Trainer of the first, since the process's first Trainer
-    is slower (its heap grows, first calls are compiled or cached)."""
+    """Every configuration of ``order`` fitted alone, one Trainer after the other. ``warm_up``: first an untimed
+    Trainer of the first, since the process's first Trainer is slower (its heap grows, first calls are compiled
+    or cached)."""
     if warm_up:
         _fit({**cfg, "steps": cfg["warmup"] + 1}, CONFIGS[order[0]], 1, build=build)
     reports = {}

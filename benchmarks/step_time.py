@@ -83,8 +83,15 @@ def shape_of(shape: str, millions: int) -> dict[str, int]:
     """Width and depth of a residual MLP of about ``millions`` parameters."""
     if shape == "large":  # 2 blocks x 8 d^2: d rounded to 64
         return {"width": max(64, round((millions * 1e6 / 16) ** 0.5 / 64) * 64), "depth": 2, "norms": 0}
-    per_block = 8 * SMALL_WIDTH**2 + 5 * SMALL_WIDTH + 2 * SMALL_WIDTH  # two matrices, their biases, a LayerNorm
+    per_block = size_of({"width": SMALL_WIDTH, "depth": 1, "norms": 1})[0]
     return {"width": SMALL_WIDTH, "depth": max(1, round(millions * 1e6 / per_block)), "norms": 1}
+
+
+def size_of(model: dict[str, int]) -> tuple[int, int]:
+    """Parameters and tensors of the residual MLP ``model`` (``shape_of``'s): per block two matrices, and with
+    ``norms`` their biases and a LayerNorm."""
+    w, d, norms = model["width"], model["depth"], model["norms"]
+    return d * (8 * w * w + norms * 7 * w), d * (2 + norms * 4)
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -271,9 +278,7 @@ TRACED = [
 def _run_trace(args: argparse.Namespace, tree: Path | None, work: Path) -> None:
     shape = args.trace_shape
     model = shape_of(shape, args.trace)
-    width, depth, norms = model["width"], model["depth"], model["norms"]
-    psi = depth * (8 * width**2 + norms * 7 * width)  # two matrices; their biases and a LayerNorm (small shape)
-    tensors = depth * (2 + norms * 4)
+    psi, tensors = size_of(model)
     lines = [
         f"# one step of each, traced: 2 CPU processes, residual MLP of {psi / 1e6:.1f}M parameters in"
         f" {tensors} tensors ({psi * 4 / 2**20:.0f} MiB fp32), fused AdamW, per-rank micro-batch"
@@ -387,8 +392,7 @@ def main() -> None:
     ]
     for key in sorted(results["psi"], key=lambda key: (results["psi"][key], key)):
         size, shape = key.split("|")
-        model = shape_of(shape, int(size))
-        tensors = model["depth"] * (6 if model["norms"] else 2)
+        tensors = size_of(shape_of(shape, int(size)))[1]
         for row, ref in ROWS:
             label_ = f"{SHORT[row]} / {SHORT[ref]}"
             cells = []
@@ -417,8 +421,7 @@ def _sweep_one(
     """Every job of ``JOBS`` for ``args.repeats`` rounds on the model of ``size`` and ``shape``: its ratios
     into ``results``."""
     model = shape_of(shape, size)
-    w, d = model["width"], model["depth"]
-    psi = d * (8 * w * w + (7 * w if model["norms"] else 0))
+    psi = size_of(model)[0]
     times: dict[tuple[str, int], list[float]] = {}
     # about the same timed seconds per configuration at every size: a 1M step takes 16 ms, a 100M one 1.1 s
     steps = args.steps or max(7, min(40, round(7 * 1e8 / psi)))
